@@ -1,0 +1,430 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence as SequenceABC
+from typing import Any
+
+import torch
+
+from engine_proc.attention import select_backend
+from engine_proc.config import EngineConfig
+from engine_proc.detokenizer import IncrementalDetokenizer
+from engine_proc.kv_cache_manager import KVCacheManager, root_hash
+from engine_proc.model_loader import Checkpoint, load_checkpoint
+from engine_proc.model_runner import ModelRunner
+from engine_proc.models.llama import LlamaModel
+from engine_proc.outputs import RequestMetrics, RequestOutput
+from engine_proc.request import Sequence, SequenceStatus
+from engine_proc.sampler import sample
+from engine_proc.sampling_params import SamplingParams
+from engine_proc.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
+from engine_proc.telemetry import EngineStats, build_snapshot
+from engine_proc.telemetry_types import EngineSnapshot, StepStats, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | list[dict[str, str]]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: Callable[[float, str], None] | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = time.monotonic
+        self.device = _resolve_device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        ckpt = checkpoint or load_checkpoint(config.model, self.dtype, progress)
+        self.checkpoint_name = ckpt.display_name
+        self.model_config = mc = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.model_id = f"{ckpt.model_id}|{config.dtype}"
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.model = LlamaModel(mc, ckpt.weights, self.dtype, self.device, self.max_model_len)
+        del ckpt
+        self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype.itemsize)
+        self.block_size = config.block_size
+        self.block_bytes = self.kv_bytes_per_token * self.block_size
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // self.block_bytes)
+        kv_cache = torch.zeros(
+            (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV cache: %d B/token (2 x %d layers x %d kv heads x %d dim x %d B); pool %d blocks "
+            "x %d tokens = %.1f MiB",
+            self.kv_bytes_per_token, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+            self.dtype.itemsize, num_blocks, self.block_size, kv_cache.nbytes / 2**20,
+        )
+        self.num_blocks = num_blocks
+        self.backend = select_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, kv_cache, self.backend)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            SchedulerLimits(
+                config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk
+            ),
+        )
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.stats = EngineStats()
+        self._seed_rng = random.Random(config.seed)
+        logger.info("engine ready: %s on %s (%s), attention backend %s", self.checkpoint_name,
+                    self.device, config.dtype, self.backend.name)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an active request")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        prompt_ids = self.tokenize(prompt)
+        limit = self.max_total_tokens
+        if len(prompt_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; it must be shorter than the context limit "
+                f"of {limit} tokens (max_model_len {self.max_model_len}, KV pool "
+                f"{self.num_blocks} blocks x {self.block_size})"
+            )
+        now = self.clock()
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(
+            request_id=request_id,
+            index=0,
+            token_ids=list(prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
+            params=params,
+            generator=_generator(seed, 0),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+            metrics=RequestMetrics(now, None, None, None),
+            root_hash=root_hash(self.model_id, cache_salt),
+            max_total_tokens=limit,
+            eos_token_ids=self.eos_token_ids,
+            num_forks=params.n,
+        )
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    @property
+    def max_total_tokens(self) -> int:
+        # One sequence must always fit in the pool by itself, or it could preempt itself forever.
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self._apply_chat_template(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        else:
+            raise ValueError(
+                "prompt must be a non-empty string, a list of token ids, or a list of chat "
+                "messages {'role', 'content'}"
+            )
+        if not ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        return ids
+
+    def _apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        for i, m in enumerate(messages):
+            if m.get("role") not in _CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {_CHAT_ROLES}, got {m.get('role')!r}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}].content must be a string")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            raise ValueError(f"request_id {request_id!r} is not an active request")
+        outputs = []
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                outputs.append(self._finish(seq, "abort", "aborted by the client"))
+        self.requests.pop(request_id, None)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.stats.num_preemptions += len(batch.preempted)
+        self.stats.prefix_cache_queries += batch.prefix_cache_queries
+        self.stats.prefix_cache_hits += batch.prefix_cache_hits
+        if batch.is_empty:
+            return []
+        start = self.clock()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = start
+        try:
+            logits, sampling = self.runner.execute(batch)
+        except Exception as exc:  # keep serving everyone else's next requests
+            logger.exception("forward pass failed; failing the %d sequences of this step", len(batch.seqs))
+            return self._fail_batch(batch, f"engine error: {exc}")
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        self.stats.prompt_tokens_total += batch.num_prefill_tokens
+        outputs = self._sample_and_emit(logits, sampling)
+        end = self.clock()
+        self.stats.steps.append(
+            StepStats(end, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
+                      len(self.scheduler.running), len(self.scheduler.waiting))
+        )
+        return outputs
+
+    def _sample_and_emit(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[RequestOutput]:
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(sampling):
+            family = [seq] + (self._fork(seq) if seq.num_forks > 1 else [])
+            rows.extend([row] * len(family))
+            seqs.extend(family)
+        if len(rows) != len(sampling):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        now = self.clock()
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.append_token(token, now)
+            self.stats.generation_tokens_total += 1
+            self.stats.token_events.append(TokenEvent(self._display_id(seq), seq.num_output_tokens - 1, now))
+            hit_stop = seq.detokenizer.add_tokens([token])
+            reason = seq.check_stop(hit_stop)
+            if reason is not None:
+                self.scheduler.remove(seq)
+                outputs.append(self._finish(seq, reason, None, new_token_ids=[token]))
+            else:
+                outputs.append(self._output(seq, [token], seq.detokenizer.take_delta(final=False)))
+        return outputs
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The prompt is computed: split into n sequences sharing its blocks."""
+        children = []
+        seed = parent.generator.initial_seed()
+        for index in range(1, parent.num_forks):
+            child = Sequence(
+                request_id=parent.request_id,
+                index=index,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                params=parent.params,
+                generator=_generator(seed, index),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, parent.token_ids, parent.params.stop
+                ),
+                metrics=RequestMetrics(parent.metrics.arrival_time, parent.metrics.first_scheduled_time, None, None),
+                root_hash=parent.root_hash,
+                max_total_tokens=parent.max_total_tokens,
+                eos_token_ids=parent.eos_token_ids,
+                status=SequenceStatus.RUNNING,
+                num_cached_tokens=parent.num_cached_tokens,
+            )
+            self.kv.fork(parent, child)
+            self.scheduler.running.append(child)
+            self.requests[parent.request_id].append(child)
+            children.append(child)
+        parent.num_forks = 1
+        return children
+
+    def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+        outputs = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            # Blocks hashed for this step never got their K/V: they must not be hit later.
+            first_unwritten = seq.num_computed_tokens // self.block_size
+            if seq in self.scheduler.running:
+                self.scheduler.running.remove(seq)
+            self.kv.free(seq, keep_hashes_below=first_unwritten)
+            outputs.append(self._finish(seq, "error", message))
+        for request_id in {s.request_id for s in batch.seqs}:
+            for seq in self.requests.get(request_id, []):
+                if not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    outputs.append(self._finish(seq, "error", message))
+        return outputs
+
+    def _finish(
+        self, seq: Sequence, reason: str, error: str | None, new_token_ids: list[int] | None = None
+    ) -> RequestOutput:
+        seq.status = SequenceStatus.FINISHED
+        seq.num_forks = 1  # a request that ends before its prompt is done never forks
+        seq.finish_reason = reason
+        seq.error = error
+        seq.metrics.finished_time = self.clock()
+        self.stats.num_requests_finished += 1
+        family = self.requests.get(seq.request_id, [])
+        if family and all(s.is_finished for s in family):
+            del self.requests[seq.request_id]
+        out = self._output(seq, new_token_ids or [], seq.detokenizer.take_delta(final=True))
+        out.finish_reason = reason
+        out.error = error
+        out.metrics = seq.metrics
+        return out
+
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            token_ids=seq.output_token_ids,
+            text=seq.detokenizer.text[: seq.detokenizer.emitted],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _display_id(seq: Sequence) -> str:
+        return seq.request_id if seq.index == 0 else f"{seq.request_id}#{seq.index}"
+
+    # ----------------------------------------------------------------- batch API
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together; one output per prompt (per sequence when n > 1),
+        in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
+        ):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        base = f"gen-{id(self)}-{self.clock()}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[tuple[str, int], RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.finished:
+                    final[(out.request_id, out.index)] = out
+            pending = {r for r in pending if r in self.requests}
+        return [final[key] for key in sorted(final, key=lambda k: (ids.index(k[0]), k[1]))]
+
+    # ----------------------------------------------------------------- live control and state
+    def live_config(self) -> dict[str, int | bool]:
+        lim = self.scheduler.limits
+        return {
+            "max_num_seqs": lim.max_num_seqs,
+            "max_num_batched_tokens": lim.max_num_batched_tokens,
+            "long_prefill_chunk": lim.long_prefill_chunk,
+            "enable_prefix_caching": self.kv.enable_caching,
+        }
+
+    def set_limits(
+        self,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        long_prefill_chunk: int | None = None,
+    ) -> dict[str, int | bool]:
+        self.scheduler.set_limits(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_chunk=long_prefill_chunk,
+        )
+        return self.live_config()
+
+    def set_prefix_caching(self, enabled: bool) -> dict[str, int | bool]:
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {enabled!r}")
+        self.kv.pool.set_caching(enabled)
+        return self.live_config()
+
+    def reset_prefix_cache(self) -> bool:
+        dropped = self.kv.pool.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks dropped", dropped)
+        return True
+
+    def model_info(self) -> dict[str, Any]:
+        mc = self.model_config
+        return {
+            "name": self.checkpoint_name,
+            "model_id": self.model_id,
+            "architecture": mc.architecture,
+            "num_layers": mc.num_layers,
+            "num_heads": mc.num_heads,
+            "num_kv_heads": mc.num_kv_heads,
+            "head_dim": mc.head_dim,
+            "vocab_size": mc.vocab_size,
+            "dtype": self.config.dtype,
+            "device": str(self.device),
+            "attention_backend": self.backend.name,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_pool_bytes": self.num_blocks * self.block_bytes,
+            "max_model_len": self.max_model_len,
+        }
+
+    def all_sequences(self) -> list[Sequence]:
+        return [s for family in self.requests.values() for s in family if not s.is_finished]
+
+    def snapshot(self) -> EngineSnapshot:
+        return build_snapshot(
+            now=self.clock(),
+            stats=self.stats,
+            kv=self.kv,
+            seqs=self.all_sequences(),
+            num_waiting=len(self.scheduler.waiting),
+            block_bytes=self.block_bytes,
+            contiguous_bytes_per_request=self.max_model_len * self.kv_bytes_per_token,
+            live_config=self.live_config(),
+        )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'")
+    return dev
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**63 if index else seed)
+    return g

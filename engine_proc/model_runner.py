@@ -1,0 +1,101 @@
+"""Flat batch in, logits out: lays the scheduled tokens of all sequences end to end, builds
+positions, slot mapping, block tables and query offsets, and runs the forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_proc.attention.base import AttentionBackend, AttentionMetadata
+from engine_proc.models.llama import LlamaModel
+from engine_proc.request import Sequence
+from engine_proc.scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class StepInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # flat index of the last token of each sampling sequence
+    sampling_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        backend: AttentionBackend,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+        self.block_size = kv_cache.shape[3]
+        self.backend = backend
+        self.device = kv_cache.device
+
+    def prepare(self, batch: ScheduledBatch) -> StepInput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[Sequence] = []
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = np.full((len(batch.seqs), max_blocks), -1, dtype=np.int32)
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables[row, : len(table)] = table
+            query_lens.append(n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # the prompt (or the last token) is done: sample
+                logits_indices.append(len(input_ids) - 1)
+                sampling.append(seq)
+        dev = self.device
+        query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start[1:])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.from_numpy(query_start).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sampling_seqs=sampling,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits [num_sampling_seqs, vocab] (float32) and the sequences they belong to."""
+        self.copy_blocks(batch.block_copies)
+        step = self.prepare(batch)
+        hidden = self.model.forward(
+            step.input_ids, step.positions, self.kv_caches, step.meta, self.backend
+        )
+        if not step.sampling_seqs:
+            return hidden.new_empty((0, 0), dtype=torch.float32), []
+        return self.model.compute_logits(hidden[step.logits_indices]), step.sampling_seqs

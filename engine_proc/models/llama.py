@@ -1,0 +1,146 @@
+"""Our own forward pass for Llama-family models (Llama, Mistral without sliding window, Qwen2)
+over a paged KV cache. Works on a flat batch: every sequence's new tokens laid end to end."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine_proc.attention.base import AttentionBackend, AttentionMetadata
+from engine_proc.models.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    # float32 arithmetic in the same order as transformers, so float32 logits agree to the bit
+    # as far as possible (greedy ties are decided by the last bits).
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        inv_freq = _llama3_scale(inv_freq, scaling)
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope_scaling type must be 'llama3' or absent, got {kind!r}")
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Same piecewise rule as Meta's reference: keep high frequencies, divide low ones by factor,
+    # interpolate smoothly between.
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to the model's context, built once."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(config)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, heads, head_dim]; rotate_half layout (the HF convention).
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class LlamaLayer:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+        attn = f"{prefix}.self_attn"
+        mlp = f"{prefix}.mlp"
+        # One matmul for q/k/v and one for gate/up: fewer, larger GEMMs.
+        self.qkv_weight = torch.cat(
+            [w[f"{attn}.q_proj.weight"], w[f"{attn}.k_proj.weight"], w[f"{attn}.v_proj.weight"]]
+        ).contiguous()
+        self.qkv_bias = (
+            torch.cat([w[f"{attn}.q_proj.bias"], w[f"{attn}.k_proj.bias"], w[f"{attn}.v_proj.bias"]])
+            if f"{attn}.q_proj.bias" in w
+            else None
+        )
+        self.o_weight = w[f"{attn}.o_proj.weight"].contiguous()
+        self.gate_up_weight = torch.cat(
+            [w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]
+        ).contiguous()
+        self.down_weight = w[f"{mlp}.down_proj.weight"].contiguous()
+        self.input_norm = w[f"{prefix}.input_layernorm.weight"]
+        self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights held as plain tensors; no nn.Module machinery on the hot path."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.layers = [LlamaLayer(config, w, f"model.layers.{i}") for i in range(config.num_layers)]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.rotary = RotaryEmbedding(config, max_positions, device)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        cfg = self.config
+        h = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.rotary.apply(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
+            k = self.rotary.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
+            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn.reshape(-1, self.q_size), layer.o_weight)
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down_weight)
+        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
