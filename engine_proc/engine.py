@@ -209,6 +209,8 @@ class LLMEngine:
         return outputs
 
     def _sample_and_emit(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[RequestOutput]:
+        if not sampling:
+            return []
         rows: list[int] = []
         seqs: list[Sequence] = []
         for row, seq in enumerate(sampling):

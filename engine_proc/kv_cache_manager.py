@@ -63,7 +63,8 @@ class KVCacheManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> int:
         """Free blocks that allocate() would consume, including revived cached ones."""
-        total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        total = self.num_blocks_for(computed + num_new_tokens)
         have = len(seq.block_table) + len(cached)
         revived = sum(1 for b in cached if b.ref_count == 0)
         return max(0, total - have) + revived + int(self._needs_copy(seq))
