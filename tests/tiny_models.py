@@ -1,0 +1,358 @@
+"""Tiny random Llama / Qwen2 checkpoints for tests, built with transformers and cached per session.
+
+    from tests.tiny_models import tiny_model_dir, tiny_gguf_file, hf_reference_model
+
+    path = tiny_model_dir("qwen2", num_heads=4, num_kv_heads=1)   # HF dir: config + safetensors
+    ref = hf_reference_model(path)                               # transformers model, eval mode
+    gguf_path = tiny_gguf_file("llama")                          # same weights as a llama.cpp GGUF
+
+Every model uses the default SmolLM2 tokenizer (vocab 49152, chat template, bos 1, eos 2), so
+prompts and chat messages work as with the real model; hidden size 64 and 2 layers keep each
+checkpoint at a few MB. Weights are seeded and scaled so attention is far from uniform (a
+bug in positions or masking changes the logits) and greedy next tokens are well separated.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TOKENIZER_VOCAB_SIZE = 49152
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+ARCHITECTURES = ("llama", "qwen2")
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # small, so the scaling changes some frequencies of a 16-dim head at short positions
+    "original_max_position_embeddings": 64,
+}
+
+_root: Path | None = None
+_cache: dict[str, Path] = {}
+
+
+def _session_dir() -> Path:
+    global _root
+    if _root is None:
+        _root = Path(tempfile.mkdtemp(prefix="kvscope-tiny-models-"))
+        atexit.register(shutil.rmtree, _root, ignore_errors=True)
+    return _root
+
+
+def tiny_tokenizer_dir() -> Path:
+    """A directory holding the default model's tokenizer, saved with save_pretrained."""
+    if "tokenizer" not in _cache:
+        from transformers import PreTrainedTokenizerFast
+
+        from engine_proc.model_loader import default_model_path
+
+        gguf_path = default_model_path()
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name
+        )
+        assert tokenizer.chat_template, "the default GGUF should carry a chat template"
+        assert len(tokenizer) == TOKENIZER_VOCAB_SIZE, len(tokenizer)
+        out = _session_dir() / "tokenizer"
+        tokenizer.save_pretrained(str(out))
+        _cache["tokenizer"] = out
+    return _cache["tokenizer"]
+
+
+def tiny_model_dir(
+    architecture: str = "llama",
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    attention_bias: bool | None = None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 512,
+    rope_theta: float = 10000.0,
+    rope_scaling: str | dict | None = None,
+    seed: int = 0,
+) -> Path:
+    """Build (once per parameter set and session) a tiny HF checkpoint directory; return its path.
+
+    num_kv_heads == num_heads is MHA, 1 is MQA, anything between is GQA. attention_bias
+    defaults to the architecture's own (Qwen2: q/k/v biases, Llama: none). rope_scaling: None,
+    "llama3" (LLAMA3_ROPE_SCALING) or an HF-style dict.
+    """
+    params = dict(locals())
+    key = json.dumps(params, sort_keys=True)
+    if key in _cache:
+        return _cache[key]
+    _validate(architecture, num_heads, num_kv_heads, attention_bias, rope_scaling)
+    config = _hf_config(**params)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    _randomize(model, seed)
+    out = _session_dir() / f"model-{len(_cache)}"
+    model.save_pretrained(str(out))
+    for item in tiny_tokenizer_dir().iterdir():
+        shutil.copy(item, out / item.name)
+    _cache[key] = out
+    return out
+
+
+def hf_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The transformers model of a checkpoint directory, in eval mode (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def tiny_gguf_file(architecture: str = "llama", **params: Any) -> Path:
+    """The tiny_model_dir(architecture, **params) weights written as llama.cpp would: float32
+    GGUF, llama.cpp tensor names, q/k rows permuted for llama, rope_freqs for llama3 scaling,
+    the tokenizer's vocabulary and chat template in the metadata."""
+    hf_dir = tiny_model_dir(architecture, **params)
+    key = f"gguf:{hf_dir}"
+    if key not in _cache:
+        out = hf_dir.parent / f"{hf_dir.name}.gguf"
+        _write_gguf(hf_dir, out)
+        _cache[key] = out
+    return _cache[key]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _validate(
+    architecture: str,
+    num_heads: int,
+    num_kv_heads: int,
+    attention_bias: bool | None,
+    rope_scaling: str | dict | None,
+) -> None:
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
+    if architecture == "qwen2" and attention_bias is False:
+        raise ValueError("qwen2 always has q/k/v biases: attention_bias must be None or True")
+    if architecture == "llama" and attention_bias:
+        raise ValueError(
+            "llama's attention_bias also biases o_proj, which the engine does not support; "
+            "use architecture='qwen2' for q/k/v biases"
+        )
+    if rope_scaling is not None and rope_scaling != "llama3" and not isinstance(rope_scaling, dict):
+        raise ValueError(f"rope_scaling must be None, 'llama3' or a dict, got {rope_scaling!r}")
+
+
+def _hf_config(
+    architecture: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    attention_bias: bool | None,
+    tie_word_embeddings: bool,
+    max_position_embeddings: int,
+    rope_theta: float,
+    rope_scaling: str | dict | None,
+    seed: int,
+) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling is not None:
+        scaling = LLAMA3_ROPE_SCALING if rope_scaling == "llama3" else rope_scaling
+        rope = {**scaling, "rope_theta": rope_theta}
+    common = dict(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        rope_parameters=rope,
+    )
+    if architecture == "llama":
+        config = LlamaConfig(attention_bias=False, **common)
+    else:
+        config = Qwen2Config(use_sliding_window=False, **common)
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    config.architectures = [names[architecture]]
+    return config
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        shape = param.shape
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".bias"):
+            value = 0.5 * torch.randn(shape, generator=gen)
+        elif "embed_tokens" in name:
+            value = torch.randn(shape, generator=gen)
+        else:
+            # q/k larger than 1/sqrt(fan_in): attention scores with std ~2, not near uniform;
+            # lm_head larger: logits with std ~3, so greedy choices are not near-ties.
+            scale = 1.5 if ("q_proj" in name or "k_proj" in name) else 1.0
+            scale = 3.0 if name == "lm_head.weight" else scale
+            value = torch.randn(shape, generator=gen) * (scale / math.sqrt(shape[1]))
+        param.copy_(value)
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF writer (what llama.cpp's convert_hf_to_gguf.py does for these architectures)
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (n_head already the kv count for k)."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _llama_cpp_rope_freqs(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors (Llama 3 rope)."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    base_freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in base_freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _write_gguf(hf_dir: Path, out: Path) -> None:
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = config["model_type"]
+    assert arch in ARCHITECTURES, arch
+    tensors = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["head_dim"]
+    rope = config["rope_parameters"]
+
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer, hf_dir)
+
+    if rope.get("rope_type") == "llama3":
+        freqs = _llama_cpp_rope_freqs(rope, rope["rope_theta"], head_dim)
+        writer.add_tensor("rope_freqs.weight", freqs)
+    for name, value in tensors.items():
+        if config["tie_word_embeddings"] and name == "lm_head.weight":
+            continue
+        if name in _GGUF_GLOBAL:
+            gguf_name = _GGUF_GLOBAL[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if arch == "llama" and ".attn_q." in gguf_name:
+            value = _llama_cpp_permute(value, heads)
+        elif arch == "llama" and ".attn_k." in gguf_name:
+            value = _llama_cpp_permute(value, kv_heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_tokenizer(writer: Any, tokenizer_dir: Path) -> None:
+    """GPT-2-style BPE vocabulary, as llama.cpp's converter stores it."""
+    import gguf
+
+    data = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    tokens = [""] * TOKENIZER_VOCAB_SIZE
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
+    for t in data.get("added_tokens", []):
+        tokens[t["id"]] = t["content"]
+    types = [
+        gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+        for i in range(len(tokens))
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(BOS_TOKEN_ID)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+    writer.add_add_bos_token(False)
+    template = (tokenizer_dir / "chat_template.jinja").read_text()
+    writer.add_chat_template(template)
