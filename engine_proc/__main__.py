@@ -77,7 +77,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _print_progress(fraction: float, message: str) -> None:
-    print(f"\rloading {fraction * 100:5.1f}% {message[:60]:<60}", end="", file=sys.stderr, flush=True)
+    print(
+        f"\rloading {fraction * 100:5.1f}% {message[:60]:<60}", end="", file=sys.stderr, flush=True
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         server.add_arguments(serve)
     args = parser.parse_args(argv)
     if args.command == "generate":
-        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+        )
         start = time.monotonic()
         try:
             return run_generate(args)

@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already handed out
 
     def add_tokens(self, token_ids: list[int]) -> bool:
-        """Append tokens; returns True when a stop string has appeared (text then ends before it)."""
+        """Append tokens; True when a stop string appeared (the text then ends before it)."""
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 import torch
@@ -50,7 +51,9 @@ class LLMEngine:
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.model_id = f"{ckpt.model_id}|{config.dtype}"
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         self.model = LlamaModel(mc, ckpt.weights, self.dtype, self.device, self.max_model_len)
         del ckpt
         self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype.itemsize)
@@ -65,8 +68,14 @@ class LLMEngine:
         logger.info(
             "KV cache: %d B/token (2 x %d layers x %d kv heads x %d dim x %d B); pool %d blocks "
             "x %d tokens = %.1f MiB",
-            self.kv_bytes_per_token, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-            self.dtype.itemsize, num_blocks, self.block_size, kv_cache.nbytes / 2**20,
+            self.kv_bytes_per_token,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype.itemsize,
+            num_blocks,
+            self.block_size,
+            kv_cache.nbytes / 2**20,
         )
         self.num_blocks = num_blocks
         self.backend = select_backend(config.attention_backend, self.device)
@@ -82,8 +91,13 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
         self._seed_rng = random.Random(config.seed)
-        logger.info("engine ready: %s on %s (%s), attention backend %s", self.checkpoint_name,
-                    self.device, config.dtype, self.backend.name)
+        logger.info(
+            "engine ready: %s on %s (%s), attention backend %s",
+            self.checkpoint_name,
+            self.device,
+            config.dtype,
+            self.backend.name,
+        )
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -95,7 +109,9 @@ class LLMEngine:
     ) -> None:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -118,7 +134,7 @@ class LLMEngine:
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
             params=params,
-            generator=_generator(seed, 0),
+            seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
             metrics=RequestMetrics(now, None, None, None),
             root_hash=root_hash(self.model_id, cache_salt),
@@ -141,7 +157,9 @@ class LLMEngine:
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self._apply_chat_template(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             ids = list(prompt)
             vocab = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
@@ -159,10 +177,14 @@ class LLMEngine:
     def _apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         for i, m in enumerate(messages):
             if m.get("role") not in _CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role must be one of {_CHAT_ROLES}, got {m.get('role')!r}")
+                raise ValueError(
+                    f"messages[{i}].role must be one of {_CHAT_ROLES}, got {m.get('role')!r}"
+                )
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}].content must be a string")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
@@ -195,7 +217,9 @@ class LLMEngine:
         try:
             logits, sampling = self.runner.execute(batch)
         except Exception as exc:  # keep serving everyone else's next requests
-            logger.exception("forward pass failed; failing the %d sequences of this step", len(batch.seqs))
+            logger.exception(
+                "forward pass failed; failing the %d sequences of this step", len(batch.seqs)
+            )
             return self._fail_batch(batch, f"engine error: {exc}")
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
@@ -203,12 +227,20 @@ class LLMEngine:
         outputs = self._sample_and_emit(logits, sampling)
         end = self.clock()
         self.stats.steps.append(
-            StepStats(end, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
-                      len(self.scheduler.running), len(self.scheduler.waiting))
+            StepStats(
+                end,
+                end - start,
+                batch.num_prefill_tokens,
+                batch.num_decode_tokens,
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+            )
         )
         return outputs
 
-    def _sample_and_emit(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[RequestOutput]:
+    def _sample_and_emit(
+        self, logits: torch.Tensor, sampling: list[Sequence]
+    ) -> list[RequestOutput]:
         if not sampling:
             return []
         rows: list[int] = []
@@ -219,13 +251,20 @@ class LLMEngine:
             seqs.extend(family)
         if len(rows) != len(sampling):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(
+            logits,
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [s.num_output_tokens for s in seqs],
+        )
         now = self.clock()
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
             seq.append_token(token, now)
             self.stats.generation_tokens_total += 1
-            self.stats.token_events.append(TokenEvent(self._display_id(seq), seq.num_output_tokens - 1, now))
+            self.stats.token_events.append(
+                TokenEvent(self._display_id(seq), seq.num_output_tokens - 1, now)
+            )
             hit_stop = seq.detokenizer.add_tokens([token])
             reason = seq.check_stop(hit_stop)
             if reason is not None:
@@ -238,7 +277,6 @@ class LLMEngine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The prompt is computed: split into n sequences sharing its blocks."""
         children = []
-        seed = parent.generator.initial_seed()
         for index in range(1, parent.num_forks):
             child = Sequence(
                 request_id=parent.request_id,
@@ -246,11 +284,13 @@ class LLMEngine:
                 token_ids=list(parent.token_ids),
                 num_prompt_tokens=parent.num_prompt_tokens,
                 params=parent.params,
-                generator=_generator(seed, index),
+                seed=_child_seed(parent.seed, index),
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, parent.token_ids, parent.params.stop
                 ),
-                metrics=RequestMetrics(parent.metrics.arrival_time, parent.metrics.first_scheduled_time, None, None),
+                metrics=RequestMetrics(
+                    parent.metrics.arrival_time, parent.metrics.first_scheduled_time, None, None
+                ),
                 root_hash=parent.root_hash,
                 max_total_tokens=parent.max_total_tokens,
                 eos_token_ids=parent.eos_token_ids,
@@ -266,7 +306,7 @@ class LLMEngine:
 
     def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
         outputs = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq in batch.seqs:
             # Blocks hashed for this step never got their K/V: they must not be hit later.
             first_unwritten = seq.num_computed_tokens // self.block_size
             if seq in self.scheduler.running:
@@ -422,11 +462,12 @@ def _resolve_device(device: str) -> torch.device:
     except RuntimeError as exc:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'")
+        raise ValueError(
+            "device 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'"
+        )
     return dev
 
 
-def _generator(seed: int, index: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**63 if index else seed)
-    return g
+def _child_seed(seed: int, index: int) -> int:
+    """Seed of sequence `index` of an n > 1 request; sequence 0 keeps the request's seed."""
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**63

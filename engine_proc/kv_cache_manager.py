@@ -94,7 +94,9 @@ class KVCacheManager:
         end = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.num_blocks_for(end):
             seq.block_table.append(pool.allocate().block_id)
-        self._cache_full_blocks(seq, seq.num_computed_tokens // self.block_size, end // self.block_size)
+        self._cache_full_blocks(
+            seq, seq.num_computed_tokens // self.block_size, end // self.block_size
+        )
         return copies
 
     def _needs_copy(self, seq: Sequence) -> bool:

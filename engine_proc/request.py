@@ -7,8 +7,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.outputs import RequestMetrics
 from engine_proc.sampling_params import SamplingParams
@@ -31,7 +29,7 @@ class Sequence:
     token_ids: list[int]  # prompt followed by output
     num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # sampling noise is drawn from (seed, output position)
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     root_hash: bytes  # start of the prefix-hash chain: model identity and cache salt
@@ -80,6 +78,9 @@ class Sequence:
             return "stop"
         if not self.params.ignore_eos and last in self.eos_token_ids:
             return "stop"
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens:
+        if (
+            self.num_output_tokens >= self.params.max_tokens
+            or self.num_tokens >= self.max_total_tokens
+        ):
             return "length"
         return None

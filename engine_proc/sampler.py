@@ -1,7 +1,9 @@
 """Turns the logits of the last position of each sampling sequence into next tokens.
 
-Each sequence draws from its own torch.Generator, so a seeded request samples the same tokens
-whatever else shares its batch."""
+Randomness is counter-based: the noise for output position t of a sequence is a fixed function
+of (seed, t, token id). A seeded request therefore samples the same tokens whatever else shares
+its batch, and a preempted request that is recomputed draws exactly what it would have drawn:
+tiny float differences of a recomputed prefill cannot shift a random stream."""
 
 from __future__ import annotations
 
@@ -9,45 +11,46 @@ import torch
 
 from engine_proc.sampling_params import SamplingParams
 
+# Top-k / top-p look at this many best candidates first; the full vocabulary is sorted only
+# when they do not hold the nucleus (a nearly flat distribution).
+_CANDIDATES = 256
+
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
 ) -> list[int]:
-    """logits: [N, vocab] float32 on any device."""
-    assert logits.shape[0] == len(params) == len(generators)
+    """logits: [N, vocab] float32 on any device; positions: index of the token being drawn."""
+    assert logits.shape[0] == len(params) == len(seeds) == len(positions)
     tokens = logits.argmax(dim=-1).tolist()
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        probs = _filtered_probs(logits[rows], [params[i] for i in rows])
-        for row, i in enumerate(rows):
-            # Exponential race (Gumbel-max in disguise): argmax p / E with E ~ Exp(1) samples p.
-            # One draw per vocabulary entry from this sequence's own generator.
-            noise = torch.empty(probs.shape[1], device="cpu").exponential_(generator=generators[i])
-            tokens[i] = int((probs[row].cpu() / noise).argmax())
+    for i, p in enumerate(params):
+        if not p.greedy:
+            noise = _noise(logits.shape[1], seeds[i], positions[i])
+            tokens[i] = _sample_row(logits[i].float().cpu(), p, noise)
     return tokens
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temperature[:, None]
-    top_k = torch.tensor([p.top_k for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1).any())
-    if need_k or need_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(logits.shape[1], device=device)[None, :]
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if need_k:
-            drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        if need_p:
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest set whose mass reaches top_p: drop a token when the mass of
-            # the tokens strictly before it already reaches top_p (the first is always kept).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop = mass_before >= top_p[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return logits.softmax(dim=-1)
+def _noise(vocab_size: int, seed: int, position: int) -> torch.Tensor:
+    g = torch.Generator()
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % 2**63)
+    return torch.empty(vocab_size).exponential_(generator=g)
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, noise: torch.Tensor) -> int:
+    probs = (logits / p.temperature).softmax(dim=-1)
+    if p.top_k == 0 and p.top_p >= 1.0:
+        return int((probs / noise).argmax())
+    k = min(probs.shape[0], p.top_k or _CANDIDATES)
+    cand_probs, cand_ids = probs.topk(
+        max(k, min(_CANDIDATES, probs.shape[0])) if not p.top_k else k
+    )
+    if p.top_p < 1.0:
+        if not p.top_k and float(cand_probs.sum()) < p.top_p:
+            cand_probs, cand_ids = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
+        # strictly before it already reaches top_p (the first is always kept). With top_k the
+        # mass is renormalised over the k kept tokens first, as in vLLM and transformers.
+        mass = cand_probs / cand_probs.sum() if p.top_k else cand_probs
+        keep = int(((mass.cumsum(0) - mass) < p.top_p).sum())
+        cand_probs, cand_ids = cand_probs[:keep], cand_ids[:keep]
+    # Exponential race (Gumbel-max in disguise): argmax p / E with E ~ Exp(1) draws from p.
+    return int(cand_ids[(cand_probs / noise[cand_ids]).argmax()])

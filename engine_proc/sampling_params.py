@@ -22,19 +22,35 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check_int("max_tokens", self.max_tokens, ">= 1", self.max_tokens >= 1 if _is_int(self.max_tokens) else False)
+        _check_int(
+            "max_tokens",
+            self.max_tokens,
+            ">= 1",
+            self.max_tokens >= 1 if _is_int(self.max_tokens) else False,
+        )
         _check_int("n", self.n, ">= 1", self.n >= 1 if _is_int(self.n) else False)
-        _check_int("top_k", self.top_k, ">= 0 (0 = off)", self.top_k >= 0 if _is_int(self.top_k) else False)
+        _check_int(
+            "top_k", self.top_k, ">= 0 (0 = off)", self.top_k >= 0 if _is_int(self.top_k) else False
+        )
         if self.seed is not None:
-            _check_int("seed", self.seed, "an integer in [0, 2**63)", _is_int(self.seed) and 0 <= self.seed < 2**63)
+            _check_int(
+                "seed",
+                self.seed,
+                "an integer in [0, 2**63)",
+                _is_int(self.seed) and 0 <= self.seed < 2**63,
+            )
         if not _is_number(self.temperature) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise ValueError(
+                f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+            )
 
     @property
     def greedy(self) -> bool:

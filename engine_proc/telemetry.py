@@ -122,7 +122,12 @@ def build_snapshot(
     blocks = block_snapshot(kv, seqs)
     num_running = sum(1 for s in seqs if s.status.value == "running")
     c = counters(
-        stats, blocks, kv.block_size, num_running, num_waiting, block_bytes,
+        stats,
+        blocks,
+        kv.block_size,
+        num_running,
+        num_waiting,
+        block_bytes,
         contiguous_bytes_per_request,
     )
     events = list(stats.token_events)

@@ -33,3 +33,36 @@ def default_engine_factory(default_checkpoint):
         return LLMEngine(EngineConfig(**config), checkpoint=default_checkpoint)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own model loaded from the same GGUF: the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine_proc.model_loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_default_model):
+    import torch
+
+    def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        out = hf_default_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+        return out[0, len(prompt_ids) :].tolist()
+
+    return run

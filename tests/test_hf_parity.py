@@ -1,10 +1,8 @@
 """Greedy completions of the default model equal transformers' generate() on the same GGUF."""
 
 import pytest
-import torch
 
 from engine_proc import SamplingParams
-from engine_proc.model_loader import default_model_path
 
 LONG_TEXT = (
     "The history of paged memory begins with virtual memory systems in the 1960s, where the "
@@ -32,9 +30,7 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_greedy_completions_equal_transformers_generate(default_engine_factory):
-    from transformers import AutoModelForCausalLM
-
+def test_greedy_completions_equal_transformers_generate(default_engine_factory, hf_greedy):
     engine = default_engine_factory(dtype="float32")
     prompt_ids = [engine.tokenize(p) for p in PROMPTS]
     lengths = [len(p) for p in prompt_ids]
@@ -42,19 +38,8 @@ def test_greedy_completions_equal_transformers_generate(default_engine_factory):
     params = SamplingParams(max_tokens=48, temperature=0)
     outputs = engine.generate(PROMPTS, params)  # all in one call: batched forward passes
 
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
     for ids, out in zip(prompt_ids, outputs, strict=True):
-        ref = hf.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=48,
-            do_sample=False,
-            eos_token_id=2,
-            pad_token_id=2,
-        )[0, len(ids) :].tolist()
+        ref = hf_greedy(ids, 48)
         assert out.token_ids == ref, engine.tokenizer.decode(ids)
         assert out.finish_reason == ("stop" if ref[-1] == 2 else "length")
     assert engine.kv.pool.num_free == engine.num_blocks

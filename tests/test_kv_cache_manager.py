@@ -1,5 +1,3 @@
-import torch
-
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.kv_cache_manager import KVCacheManager, block_hash, root_hash
 from engine_proc.outputs import RequestMetrics
@@ -15,7 +13,7 @@ def make_seq(tokens: list[int], salt: str | None = None) -> Sequence:
         token_ids=list(tokens),
         num_prompt_tokens=len(tokens),
         params=SamplingParams(),
-        generator=torch.Generator(),
+        seed=0,
         detokenizer=IncrementalDetokenizer(CharTokenizer(100), tokens, []),
         metrics=RequestMetrics(0.0, None, None, None),
         root_hash=root_hash("model", salt),

@@ -43,15 +43,20 @@ CASES = [(layout, 16) for layout in LAYOUTS] + [
 ]
 
 
-@pytest.mark.parametrize(("layout", "block_size"), CASES, ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else f"bs{v}")
+@pytest.mark.parametrize(
+    ("layout", "block_size"),
+    CASES,
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else f"bs{v}",
+)
 def test_logits_match_transformers_at_every_position(layout, block_size):
     arch, heads, kv_heads, bias, tie = layout
     path = tiny_model_dir(
         arch, num_heads=heads, num_kv_heads=kv_heads, attention_bias=bias, tie_word_embeddings=tie
     )
     engine = LLMEngine(
-        EngineConfig(model=str(path), block_size=block_size, num_kv_blocks=200,
-                     long_prefill_chunk=11)
+        EngineConfig(
+            model=str(path), block_size=block_size, num_kv_blocks=200, long_prefill_chunk=11
+        )
     )
     prompt = torch.randint(3, 49152, (45,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = all_position_logits(engine, prompt)
@@ -60,12 +65,21 @@ def test_logits_match_transformers_at_every_position(layout, block_size):
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
-    ref_ids = hf_reference_model(path).generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long), eos_token_id=None,
-        pad_token_id=0,
-    )[0, len(prompt):].tolist()
-    (out,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    ref_ids = (
+        hf_reference_model(path)
+        .generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :]
+        .tolist()
+    )
+    (out,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
     assert out.token_ids == ref_ids
     assert engine.kv.pool.num_free == engine.num_blocks
 

@@ -44,13 +44,17 @@ class TorchAttentionBackend:
         out = torch.empty_like(query)
         decode_rows: list[int] = []
         start = 0
-        for s, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        for s, (q_len, seq_len) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        ):
             if q_len == 1:
                 decode_rows.append(s)
             else:
                 table = meta.block_tables[s]
                 k, v = _gather(k_cache, v_cache, table, seq_len)
-                out[start : start + q_len] = _attend(query[start : start + q_len], k, v, seq_len, scale)
+                out[start : start + q_len] = _attend(
+                    query[start : start + q_len], k, v, seq_len, scale
+                )
             start += q_len
         if decode_rows:
             self._decode(query, k_cache, v_cache, meta, scale, decode_rows, out)

@@ -16,7 +16,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     # float32 arithmetic in the same order as transformers, so float32 logits agree to the bit
     # as far as possible (greedy ties are decided by the last bits).
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "llama3":
@@ -72,7 +74,9 @@ class LlamaLayer:
             [w[f"{attn}.q_proj.weight"], w[f"{attn}.k_proj.weight"], w[f"{attn}.v_proj.weight"]]
         ).contiguous()
         self.qkv_bias = (
-            torch.cat([w[f"{attn}.q_proj.bias"], w[f"{attn}.k_proj.bias"], w[f"{attn}.v_proj.bias"]])
+            torch.cat(
+                [w[f"{attn}.q_proj.bias"], w[f"{attn}.k_proj.bias"], w[f"{attn}.v_proj.bias"]]
+            )
             if f"{attn}.q_proj.bias" in w
             else None
         )

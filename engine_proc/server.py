@@ -1,0 +1,921 @@
+"""The engine process's socket loop: ROUTER for clients, PUB for telemetry (docs/PROTOCOL.md).
+
+One thread does everything: drain the ROUTER without blocking, step the engine, send each
+request's delta right after the step, publish telemetry at its own rate, heartbeat. With no work
+it blocks in poll until a message, a timer or a signal arrives (idle ~ 0% CPU).
+
+CLI: `python -m engine_proc serve ...` (engine_proc/__main__.py calls `add_arguments` and
+`run`), or `python -m engine_proc.server ...` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from ipc import endpoints as E
+from ipc import protocol as P
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "KVSCOPE_READY"
+PROGRESS_PREFIX = "KVSCOPE_PROGRESS"
+MAX_MESSAGES_PER_TURN = 256  # ROUTER messages handled between two engine steps
+ROUTER_SNDHWM = 100_000  # replies queued per client before it counts as stuck
+PUB_SNDHWM = 16  # snapshots queued per subscriber; a slow subscriber loses the older ones
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    endpoint: str = E.DEFAULT_ENDPOINT
+    pub_endpoint: str = E.DEFAULT_PUB_ENDPOINT
+    telemetry_hz: float = 20.0
+    heartbeat_interval: float = P.DEFAULT_HEARTBEAT_INTERVAL
+    client_timeout: float = P.DEFAULT_CLIENT_TIMEOUT
+    idle_telemetry_hz: float = 1.0  # snapshots per second while nothing runs
+    allow_remote: bool = False
+    token: str | None = None
+    max_pending: int = 4096  # requests in flight over all clients
+
+    def __post_init__(self) -> None:
+        if not self.telemetry_hz > 0:
+            raise ValueError(f"telemetry_hz must be > 0, got {self.telemetry_hz!r}")
+        if not self.heartbeat_interval > 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval!r}")
+        if not self.client_timeout > self.heartbeat_interval:
+            raise ValueError(
+                f"client_timeout must be > heartbeat_interval ({self.heartbeat_interval}), "
+                f"got {self.client_timeout!r}"
+            )
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending!r}")
+        for ep in (self.endpoint, self.pub_endpoint):
+            E.check_bind(ep, self.allow_remote, self.token)
+
+
+@dataclass(slots=True)
+class _Client:
+    routing_id: bytes
+    last_seen: float
+    requests: set[str] = field(default_factory=set)
+    name: str = ""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    client: bytes
+    n: int  # sequences: one Finish each
+    finished: set[int] = field(default_factory=set)  # sequence indices already finished
+    abort_message: str | None = None  # why the server aborted it, once it did
+
+
+class EngineServer:
+    """Serves one engine object (the API in docs/TEAM_NOTES.md) over ZeroMQ."""
+
+    def __init__(
+        self, engine: Any, config: ServerConfig, context: zmq.Context | None = None
+    ) -> None:
+        self.engine = engine
+        self.cfg = config
+        self.ctx = context or zmq.Context()
+        self._own_ctx = context is None
+        self.paused = False
+        self.endpoint = ""
+        self.pub_endpoint = ""
+        self._runtime_dir: str | None = None
+        self._clients: dict[bytes, _Client] = {}
+        self._inflight: dict[str, _InFlight] = {}
+        self._stop_reason: str | None = None
+        self._dead: set[bytes] = set()  # clients whose sends failed during this turn
+        self._telemetry_seq = 0
+        self._last_telemetry = 0.0
+        self._telemetry_dirty = True
+        self._last_heartbeat = 0.0
+        self._model_info: P.ModelInfo | None = None
+        self.router: zmq.Socket | None = None
+        self.pub: zmq.Socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    # ---------------------------------------------------------------- setup
+
+    def bind(self) -> tuple[str, str]:
+        endpoint, self._runtime_dir = E.resolve_auto(self.cfg.endpoint, None, "engine.sock")
+        pub_endpoint, self._runtime_dir = E.resolve_auto(
+            self.cfg.pub_endpoint, self._runtime_dir, "telemetry.sock"
+        )
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_CLIENT_MESSAGE_BYTES)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable send -> error, not silence
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its id
+        self.router.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
+        self.router.setsockopt(zmq.RCVHWM, 10_000)
+        self.router.setsockopt(zmq.LINGER, 1000)
+        self.router.bind(endpoint)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # inbound = subscriptions only
+        self.pub.setsockopt(zmq.SNDHWM, PUB_SNDHWM)
+        self.pub.setsockopt(zmq.LINGER, 200)
+        self.pub.bind(pub_endpoint)
+        self.endpoint = E.connect_address(self.router.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.pub_endpoint = E.connect_address(self.pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._model_info = P.ModelInfo(
+            **{
+                k: v
+                for k, v in self.engine.model_info().items()
+                if k in P.ModelInfo.__struct_fields__
+            }
+        )
+        return self.endpoint, self.pub_endpoint
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the loop to shut down (safe from a signal handler or another thread)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    # ---------------------------------------------------------------- main loop
+
+    def serve_forever(self) -> int:
+        assert self.router is not None and self.pub is not None, "call bind() first"
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        try:
+            while self._stop_reason is None:
+                busy = self._busy()
+                timeout_ms = 0 if busy else self._idle_timeout_ms()
+                ready = dict(poller.poll(timeout_ms))
+                if self._wake_r.fileno() in ready:
+                    self._drain_wake()
+                if self.router in ready or busy:
+                    self._drain_router()
+                if self._stop_reason is not None:
+                    break
+                if self._busy():
+                    self._step()
+                self._timers()
+        finally:
+            self._shutdown(self._stop_reason or "engine stopping")
+        return 0
+
+    def _busy(self) -> bool:
+        return not self.paused and self.engine.has_unfinished_requests()
+
+    def _idle_timeout_ms(self) -> int:
+        now = time.monotonic()
+        next_hb = self._last_heartbeat + self.cfg.heartbeat_interval
+        period = 1.0 / (
+            self.cfg.telemetry_hz if self._telemetry_dirty else self.cfg.idle_telemetry_hz
+        )
+        next_tel = self._last_telemetry + period
+        return max(0, min(1000, int((min(next_hb, next_tel) - now) * 1000) + 1))
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # an engine bug must not kill the loop or leak requests
+            log.exception("engine.step() failed; aborting every request in flight")
+            self._abort_all(f"engine error: {exc}", reason="error")
+            return
+        self._dispatch(outputs)
+        self._reap_dead()
+        self._telemetry_dirty = True
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        busy = self._busy()
+        hz = (
+            self.cfg.telemetry_hz if (busy or self._telemetry_dirty) else self.cfg.idle_telemetry_hz
+        )
+        if now - self._last_telemetry >= 1.0 / hz:
+            self._publish_telemetry()
+        if now - self._last_heartbeat >= self.cfg.heartbeat_interval:
+            self._last_heartbeat = now
+            self._heartbeat(now)
+            self._expire_clients(now)
+
+    # ---------------------------------------------------------------- inbound
+
+    def _drain_router(self) -> None:
+        assert self.router is not None
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            try:
+                self._handle_frames(frames)
+            except Exception as exc:  # never let one message kill the loop
+                log.exception("internal error handling a message")
+                if frames:
+                    rid, ctl = _ids_of_undecodable(frames[-1]) if len(frames) > 1 else (None, None)
+                    self._send_error(frames[0], P.ERR_INTERNAL, f"internal error: {exc}", rid, ctl)
+        self._reap_dead()
+
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        cid = frames[0]
+        client = self._clients.get(cid)
+        now = time.monotonic()
+        if client is None:
+            client = self._clients[cid] = _Client(routing_id=cid, last_seen=now)
+        client.last_seen = now
+        if len(frames) != 2:
+            self._send_error(
+                cid, P.ERR_BAD_MESSAGE, f"expected 1 frame per message, got {len(frames) - 1}"
+            )
+            return
+        try:
+            msg = P.decode_client(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            err = P.classify_decode_error(exc)
+            rid, ctl = _ids_of_undecodable(frames[1])
+            self._send_error(cid, err.code, err.message, request_id=rid, control_id=ctl)
+            return
+        if self.cfg.token is not None and not (
+            isinstance(msg.token, str) and hmac.compare_digest(msg.token, self.cfg.token)
+        ):
+            self._send_error(
+                cid,
+                P.ERR_UNAUTHORIZED,
+                "missing or wrong token",
+                request_id=getattr(msg, "request_id", None),
+                control_id=getattr(msg, "control_id", None),
+            )
+            return
+        handler = _HANDLERS[type(msg)]
+        handler(self, client, msg)
+
+    def _on_hello(self, client: _Client, msg: P.Hello) -> None:
+        if msg.protocol_version != P.PROTOCOL_VERSION:
+            self._send_error(
+                client.routing_id,
+                P.ERR_VERSION_MISMATCH,
+                f"protocol_version must be {P.PROTOCOL_VERSION}, got {msg.protocol_version}",
+            )
+            return
+        client.name = msg.client_name
+        assert self._model_info is not None
+        self._send(
+            client.routing_id,
+            P.Welcome(
+                protocol_version=P.PROTOCOL_VERSION,
+                client_id=client.routing_id.hex(),
+                model=self._model_info,
+                config=self._live_config(),
+                pub_endpoint=self.pub_endpoint,
+                telemetry_hz=self.cfg.telemetry_hz,
+                heartbeat_interval=self.cfg.heartbeat_interval,
+                client_timeout=self.cfg.client_timeout,
+                max_message_bytes=P.MAX_CLIENT_MESSAGE_BYTES,
+                server_time=time.monotonic(),
+            ),
+        )
+
+    def _on_generate(self, client: _Client, msg: P.Generate) -> None:
+        from engine_proc.sampling_params import SamplingParams
+
+        cid, rid = client.routing_id, msg.request_id
+        if self._stop_reason is not None:
+            self._send_error(
+                cid, P.ERR_SHUTTING_DOWN, "the engine is shutting down", request_id=rid
+            )
+            return
+        if rid in self._inflight:
+            self._send_error(
+                cid,
+                P.ERR_DUPLICATE_REQUEST_ID,
+                f"request_id {rid!r} is already in flight",
+                request_id=rid,
+            )
+            return
+        if len(self._inflight) >= self.cfg.max_pending:
+            self._send_error(
+                cid,
+                P.ERR_OVERLOADED,
+                f"{len(self._inflight)} requests in flight (max_pending)",
+                request_id=rid,
+            )
+            return
+        try:
+            params = SamplingParams(**P.sampling_to_dict(msg.sampling))
+            if msg.messages is not None:
+                prompt: Any = [{"role": m.role, "content": m.content} for m in msg.messages]
+            else:
+                prompt = msg.prompt
+            self.engine.add_request(rid, prompt, params, cache_salt=msg.cache_salt)
+        except ValueError as exc:
+            self._send_error(cid, P.ERR_INVALID_REQUEST, str(exc), request_id=rid)
+            return
+        except Exception as exc:  # an engine bug: the client still hears about its request
+            log.exception("add_request failed for %r", rid)
+            self._send_error(cid, P.ERR_INTERNAL, f"internal error: {exc}", request_id=rid)
+            if self._engine_knows(rid) and getattr(self.engine, "requests", None) is not None:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:
+                    log.exception("could not abort %r after a failed add_request", rid)
+            return
+        self._inflight[rid] = _InFlight(client=cid, n=params.n)
+        client.requests.add(rid)
+        self._telemetry_dirty = True
+
+    def _on_abort(self, client: _Client, msg: P.Abort) -> None:
+        rid = msg.request_id
+        if rid not in self._inflight:
+            self._send_error(
+                client.routing_id,
+                P.ERR_UNKNOWN_REQUEST,
+                f"request_id {rid!r} is not in flight",
+                request_id=rid,
+            )
+            return
+        self._abort(rid, "aborted by a client")
+
+    def _on_control(self, client: _Client, msg: P.Control) -> None:
+        cid = client.routing_id
+        result: bool | None = None
+        try:
+            if msg.op == "set_limits":
+                self.engine.set_limits(
+                    max_num_seqs=msg.max_num_seqs,
+                    max_num_batched_tokens=msg.max_num_batched_tokens,
+                    long_prefill_chunk=msg.long_prefill_chunk,
+                )
+            elif msg.op == "set_prefix_caching":
+                self.engine.set_prefix_caching(bool(msg.enable_prefix_caching))
+            elif msg.op == "reset_prefix_cache":
+                result = bool(self.engine.reset_prefix_cache())
+            elif msg.op == "pause":
+                self.paused = True
+            elif msg.op == "resume":
+                self.paused = False
+        except ValueError as exc:
+            self._send_error(cid, P.ERR_INVALID_CONTROL, str(exc), control_id=msg.control_id)
+            return
+        except Exception as exc:
+            log.exception("control %r failed", msg.op)
+            self._send_error(
+                cid, P.ERR_INTERNAL, f"internal error: {exc}", control_id=msg.control_id
+            )
+            return
+        self._send(
+            cid,
+            P.ControlAck(
+                control_id=msg.control_id,
+                op=msg.op,
+                config=self._live_config(),
+                time=time.monotonic(),
+                result=result,
+            ),
+        )
+        self._telemetry_dirty = True
+        self._publish_telemetry()  # the change shows in the very next snapshot
+        if msg.op == "shutdown":
+            self.request_stop(f"shutdown requested by client {client.name or cid.hex()}")
+
+    def _on_heartbeat(self, client: _Client, msg: P.Heartbeat) -> None:
+        pass  # last_seen was updated on receipt
+
+    def _on_goodbye(self, client: _Client, msg: P.Goodbye) -> None:
+        self._drop_client(
+            client.routing_id,
+            f"client said goodbye: {msg.reason}" if msg.reason else "client said goodbye",
+        )
+
+    # ---------------------------------------------------------------- outbound
+
+    def _send(self, cid: bytes, msg: msgspec.Struct) -> bool:
+        assert self.router is not None
+        if cid in self._dead:
+            return False
+        try:
+            self.router.send_multipart([cid, P.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the client is gone. EAGAIN: it stopped reading (ROUTER_SNDHWM full).
+            log.info("client %s unreachable (%s); its requests will be aborted", cid.hex(), exc)
+            self._dead.add(cid)
+            return False
+
+    def _send_error(
+        self,
+        cid: bytes,
+        code: str,
+        message: str,
+        request_id: str | None = None,
+        control_id: str | None = None,
+    ) -> None:
+        assert code in P.ERROR_CODES, code
+        log.debug("error to %s: %s %s", cid.hex(), code, message)
+        self._send(
+            cid, P.Error(code=code, message=message, request_id=request_id, control_id=control_id)
+        )
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            fl = self._inflight.get(out.request_id)
+            if fl is None:
+                continue  # a request whose client is gone (already aborted in the engine)
+            if out.new_token_ids or out.text_delta:
+                m = out.metrics
+                k = len(out.new_token_ids)
+                now = time.monotonic()
+                if m is not None and k and len(m.token_times) >= k:
+                    times = [float(t) for t in m.token_times[-k:]]
+                else:  # the engine reports token times only on the final output: use now
+                    times = [now] * k
+                self._send(
+                    fl.client,
+                    P.Delta(
+                        request_id=out.request_id,
+                        index=out.index,
+                        token_ids=list(out.new_token_ids),
+                        text=out.text_delta,
+                        token_times=times,
+                        time=now,
+                    ),
+                )
+            if out.finish_reason is not None and out.index not in fl.finished:
+                self._send(fl.client, _finish_of(out, fl.abort_message))
+                fl.finished.add(out.index)
+                if len(fl.finished) >= fl.n:
+                    self._forget(out.request_id)
+                elif not self._engine_knows(out.request_id):
+                    # The request ended before it forked into n sequences (an error, an abort
+                    # or a stop during prefill): finish the sequences that never started.
+                    self._finish_missing(out.request_id, out.finish_reason, out.error)
+
+    def _forget(self, rid: str) -> None:
+        fl = self._inflight.pop(rid, None)
+        if fl is not None:
+            client = self._clients.get(fl.client)
+            if client is not None:
+                client.requests.discard(rid)
+
+    def _abort(self, rid: str, why: str, reason: str = "abort") -> None:
+        fl = self._inflight.get(rid)
+        if fl is None:
+            return
+        fl.abort_message = why
+        try:
+            outputs = self.engine.abort_request(rid)
+        except ValueError:
+            outputs = []  # the engine no longer knows it (finished this very step)
+        if reason != "abort":
+            for o in outputs:
+                o.finish_reason = reason
+        self._dispatch(outputs)
+        self._finish_missing(rid, reason, why)
+        self._telemetry_dirty = True
+
+    def _engine_knows(self, rid: str) -> bool:
+        requests = getattr(self.engine, "requests", None)
+        return True if requests is None else rid in requests
+
+    def _finish_missing(self, rid: str, reason: str, why: str | None) -> None:
+        """Send a Finish for each sequence of `rid` the engine will never report again."""
+        fl = self._inflight.get(rid)
+        if fl is None:
+            return
+        for index in range(fl.n):
+            if index not in fl.finished:
+                self._send(fl.client, _synthetic_finish(rid, index, reason, why or reason))
+        self._forget(rid)
+
+    def _abort_all(self, why: str, reason: str = "abort") -> None:
+        for rid in list(self._inflight):
+            self._abort(rid, why, reason)
+
+    def _drop_client(self, cid: bytes, why: str) -> None:
+        client = self._clients.pop(cid, None)
+        if client is None:
+            return
+        self._dead.add(cid)  # nothing more goes to it
+        rids = list(client.requests)
+        for rid in rids:
+            self._abort(rid, why)
+        # stays in _dead until _reap_dead: no finish goes to a client that left
+        level = logging.INFO if rids else logging.DEBUG
+        log.log(level, "client %s gone (%s); %d requests aborted", cid.hex(), why, len(rids))
+
+    def _reap_dead(self) -> None:
+        while self._dead:
+            cid = next(iter(self._dead))
+            if cid in self._clients:
+                self._drop_client(cid, "client unreachable")
+            self._dead.discard(cid)  # a client that comes back later is served again
+
+    def _heartbeat(self, now: float) -> None:
+        assert self.pub is not None
+        hb = P.Heartbeat(time=now, paused=self.paused)
+        self._publish(P.TOPIC_HEARTBEAT, hb)
+        for client in list(self._clients.values()):
+            if client.requests:
+                self._send(client.routing_id, hb)
+        self._reap_dead()
+
+    def _expire_clients(self, now: float) -> None:
+        for cid, client in list(self._clients.items()):
+            if now - client.last_seen > self.cfg.client_timeout:
+                self._drop_client(cid, f"client silent for {now - client.last_seen:.1f} s")
+
+    def _publish(self, topic: bytes, msg: msgspec.Struct) -> None:
+        assert self.pub is not None
+        try:
+            self.pub.send_multipart([topic, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a slow subscriber loses snapshots; the engine never waits for it
+
+    def _publish_telemetry(self) -> None:
+        self._last_telemetry = time.monotonic()
+        self._telemetry_dirty = False
+        try:
+            snap = self.engine.snapshot()
+            self._telemetry_seq += 1
+            msg = telemetry_from_snapshot(
+                snap, self._telemetry_seq, self.paused, len(self._clients)
+            )
+        except Exception:
+            log.exception("engine.snapshot() failed; no telemetry this time")
+            return
+        self._publish(P.TOPIC_TELEMETRY, msg)
+
+    def _live_config(self) -> P.LiveConfig:
+        cfg = self.engine.live_config()
+        return P.LiveConfig(
+            max_num_seqs=int(cfg["max_num_seqs"]),
+            max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
+            long_prefill_chunk=int(cfg["long_prefill_chunk"]),
+            enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
+            paused=self.paused,
+        )
+
+    # ---------------------------------------------------------------- shutdown
+
+    def _shutdown(self, why: str) -> None:
+        log.info("shutting down: %s", why)
+        try:
+            self._drain_router()  # answer what already arrived (new generates get shutting_down)
+            self._abort_all(f"engine shutting down: {why}")
+            for cid in list(self._clients):
+                self._send(cid, P.Goodbye(reason=why))
+            self._publish_telemetry()
+            self._publish(P.TOPIC_GOODBYE, P.Goodbye(reason=why))
+        except Exception:
+            log.exception("error while shutting down")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for s in (self.router, self.pub):
+            if s is not None and not s.closed:
+                s.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._own_ctx:
+            self.ctx.term()
+        if self._runtime_dir is not None:
+            shutil.rmtree(self._runtime_dir, ignore_errors=True)
+
+
+_HANDLERS = {
+    P.Hello: EngineServer._on_hello,
+    P.Generate: EngineServer._on_generate,
+    P.Abort: EngineServer._on_abort,
+    P.Control: EngineServer._on_control,
+    P.Heartbeat: EngineServer._on_heartbeat,
+    P.Goodbye: EngineServer._on_goodbye,
+}
+
+
+# ---------------------------------------------------------------- conversions
+
+
+def _finish_of(out: Any, abort_message: str | None) -> P.Finish:
+    m = out.metrics
+    reason = out.finish_reason
+    error = out.error
+    if reason == "abort":
+        error = abort_message or error or "aborted"  # the server's reason is more precise
+    elif error is None:
+        error = abort_message
+    return P.Finish(
+        request_id=out.request_id,
+        index=out.index,
+        reason=reason,
+        usage=P.Usage(
+            prompt_tokens=int(out.num_prompt_tokens),
+            cached_tokens=int(out.num_cached_tokens),
+            completion_tokens=len(out.token_ids),
+        ),
+        ttft=None if m is None else m.ttft,
+        tpot=None if m is None else m.tpot,
+        e2e=None if m is None else m.e2e,
+        queue_time=None if m is None else m.queue_time,
+        error=error,
+    )
+
+
+def _synthetic_finish(rid: str, index: int, reason: str, why: str) -> P.Finish:
+    return P.Finish(
+        request_id=rid,
+        index=index,
+        reason=reason,  # type: ignore[arg-type]
+        usage=P.Usage(prompt_tokens=0, cached_tokens=0, completion_tokens=0),
+        error=why,
+    )
+
+
+def telemetry_from_snapshot(snap: Any, seq: int, paused: bool, num_clients: int) -> P.Telemetry:
+    """engine_proc.telemetry_types.EngineSnapshot -> protocol Telemetry."""
+    b = snap.blocks
+    cfg = snap.config
+    return P.Telemetry(
+        seq=seq,
+        time=float(snap.time),
+        counters={k: float(v) for k, v in snap.counters.items()},
+        config=P.LiveConfig(
+            max_num_seqs=int(cfg["max_num_seqs"]),
+            max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
+            long_prefill_chunk=int(cfg["long_prefill_chunk"]),
+            enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
+            paused=paused,
+        ),
+        blocks=P.BlockArrays.pack(
+            state=b.state,
+            ref_count=b.ref_count,
+            filled=b.filled,
+            short_hash=b.short_hash,
+            parent=b.parent,
+        ),
+        requests=[
+            P.RequestState(
+                request_id=r.request_id,
+                status=r.status,
+                block_table=[int(x) for x in r.block_table],
+                num_prompt_tokens=int(r.num_prompt_tokens),
+                num_cached_tokens=int(r.num_cached_tokens),
+                num_computed_tokens=int(r.num_computed_tokens),
+                num_generated_tokens=int(r.num_generated_tokens),
+                arrival_time=float(r.arrival_time),
+                first_scheduled_time=_opt_float(r.first_scheduled_time),
+                first_token_time=_opt_float(r.first_token_time),
+            )
+            for r in snap.requests
+        ],
+        token_events=[
+            P.TokenEvent(request_id=e.request_id, index=int(e.index), time=float(e.time))
+            for e in snap.token_events
+        ],
+        steps=[
+            P.StepStats(
+                time=float(s.time),
+                duration=float(s.duration),
+                num_prefill_tokens=int(s.num_prefill_tokens),
+                num_decode_tokens=int(s.num_decode_tokens),
+                num_running=int(s.num_running),
+                num_waiting=int(s.num_waiting),
+            )
+            for s in snap.steps
+        ],
+        num_clients=num_clients,
+    )
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _ids_of_undecodable(data: bytes) -> tuple[str | None, str | None]:
+    """Best effort: the request_id / control_id of a message that failed validation."""
+    try:
+        obj = msgspec.msgpack.decode(data)
+    except Exception:
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    rid, ctl = obj.get("request_id"), obj.get("control_id")
+    return (
+        rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None,
+        ctl if isinstance(ctl, str) and len(ctl) <= 256 else None,
+    )
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` options (shared by `python -m engine_proc serve` and this module)."""
+    g = parser.add_argument_group("model and engine")
+    g.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
+    )
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument(
+        "--num-blocks",
+        "--num-kv-blocks",
+        dest="num_blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: from --kv-cache-memory)",
+    )
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the K/V pool")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--long-prefill-chunk", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # "module:callable"
+    s = parser.add_argument_group("serving")
+    s.add_argument(
+        "--endpoint",
+        default=E.DEFAULT_ENDPOINT,
+        help="ROUTER bind address (tcp://127.0.0.1:PORT, '*' = free port; ipc://auto)",
+    )
+    s.add_argument("--pub-endpoint", default=E.DEFAULT_PUB_ENDPOINT, help="PUB bind address")
+    s.add_argument("--telemetry-hz", type=float, default=20.0)
+    s.add_argument("--heartbeat-interval", type=float, default=P.DEFAULT_HEARTBEAT_INTERVAL)
+    s.add_argument(
+        "--client-timeout",
+        type=float,
+        default=P.DEFAULT_CLIENT_TIMEOUT,
+        help="seconds of client silence before its requests are aborted",
+    )
+    s.add_argument("--max-pending", type=int, default=4096)
+    s.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow non-loopback binds (needs --token or $KVSCOPE_TOKEN)",
+    )
+    s.add_argument(
+        "--token",
+        default=None,
+        help="access token every message must carry "
+        "(prefer $KVSCOPE_TOKEN: command lines are visible to other users)",
+    )
+    s.add_argument("--log-level", default="INFO")
+
+
+def _progress(fraction: float, message: str) -> None:
+    print(f"{PROGRESS_PREFIX} {fraction:.2f} {message}", flush=True)
+
+
+class _Progress:
+    """Loader progress (0..1) -> KVSCOPE_PROGRESS lines, at most one per percent."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high, self.last = low, high, -1.0
+
+    def __call__(self, fraction: float, message: str) -> None:
+        value = self.low + (self.high - self.low) * min(max(float(fraction), 0.0), 1.0)
+        if value - self.last >= 0.01 or fraction >= 1.0:
+            self.last = value
+            _progress(value, message.replace("\n", " "))
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    if args.engine_factory:
+        module, _, name = args.engine_factory.partition(":")
+        return getattr(importlib.import_module(module), name)(args)
+    from engine_proc import EngineConfig, LLMEngine
+
+    kwargs: dict[str, Any] = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )
+    for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return LLMEngine(EngineConfig(**kwargs), progress=_Progress(0.05, 0.9))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    token = args.token or os.environ.get("KVSCOPE_TOKEN") or None
+    try:
+        cfg = ServerConfig(
+            endpoint=args.endpoint,
+            pub_endpoint=args.pub_endpoint,
+            telemetry_hz=args.telemetry_hz,
+            heartbeat_interval=args.heartbeat_interval,
+            client_timeout=args.client_timeout,
+            allow_remote=args.allow_remote,
+            token=token,
+            max_pending=args.max_pending,
+        )
+    except ValueError as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+    stop: list[str] = []
+    server: EngineServer | None = None
+
+    def on_signal(signum: int, frame: object) -> None:
+        why = f"received {signal.Signals(signum).name}"
+        stop.append(why)
+        if server is not None:
+            server.request_stop(why)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _progress(0.0, "starting")
+        _progress(0.05, "loading model")
+        t0 = time.monotonic()
+        try:
+            engine = build_engine(args)
+        except (ValueError, FileNotFoundError, OSError) as exc:
+            log.error("could not start the engine: %s", exc)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        log.info("engine ready in %.1f s", time.monotonic() - t0)
+        if stop:
+            return 0
+        _progress(0.95, "binding sockets")
+        server = EngineServer(engine, cfg)
+        try:
+            endpoint, pub_endpoint = server.bind()
+        except zmq.ZMQError as exc:
+            log.error("could not bind: %s", exc)
+            print(f"error: could not bind: {exc}", file=sys.stderr, flush=True)
+            server.close()
+            return 1
+        if stop:
+            server.request_stop(stop[0])
+        _progress(1.0, "ready")
+        ready = {
+            "endpoint": endpoint,
+            "pub_endpoint": pub_endpoint,
+            "protocol_version": P.PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "model": server._model_info.name if server._model_info else None,
+        }
+        print(f"{READY_PREFIX} {json.dumps(ready)}", flush=True)
+        log.info("serving on %s (telemetry %s)", endpoint, pub_endpoint)
+        return server.serve_forever()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine_proc.server", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "EngineServer",
+    "ServerConfig",
+    "add_arguments",
+    "run",
+    "main",
+    "telemetry_from_snapshot",
+]

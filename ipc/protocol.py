@@ -1,0 +1,436 @@
+"""KVScope wire protocol: every message between the engine process and its clients.
+
+Messages are `msgspec` Structs in three tagged unions (the tag is the `kind` field), encoded as
+MessagePack maps. Decoding validates types, ranges and cross-field rules; anything that fails
+raises `msgspec.ValidationError` / `msgspec.DecodeError` (the server answers with an `error`).
+Pickle is never used. This module imports neither torch, Qt nor engine_proc: numpy only.
+
+Sockets (docs/PROTOCOL.md has the full description):
+- client DEALER -> engine ROUTER: one frame per message, a `ClientMessage`.
+- engine ROUTER -> client DEALER: one frame per message, an `EngineMessage`.
+- engine PUB -> SUB: two frames, topic (`TOPIC_*`) then a `PubMessage`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# PUB topics (first frame of every published message)
+TOPIC_TELEMETRY = b"telemetry"
+TOPIC_HEARTBEAT = b"heartbeat"
+TOPIC_GOODBYE = b"goodbye"
+
+# Size limits (ZMQ_MAXMSGSIZE); a bigger inbound message makes ZMQ drop the connection.
+MAX_CLIENT_MESSAGE_BYTES = 1 << 20  # what the engine's ROUTER accepts
+MAX_REPLY_MESSAGE_BYTES = 16 << 20  # what a client's DEALER accepts
+MAX_PUB_MESSAGE_BYTES = 256 << 20  # what a SUB accepts (telemetry of huge block pools)
+
+# Heartbeats (seconds); the Welcome message carries the values the engine actually uses.
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+DEFAULT_CLIENT_TIMEOUT = 10.0
+
+# Error codes (Error.code)
+ERR_BAD_MESSAGE = "bad_message"  # not MessagePack, or not exactly one frame
+ERR_UNKNOWN_KIND = "unknown_kind"  # `kind` missing or not a client message kind
+ERR_INVALID_MESSAGE = "invalid_message"  # wrong type, missing or unknown field, bad value
+ERR_UNAUTHORIZED = "unauthorized"  # token missing or wrong
+ERR_VERSION_MISMATCH = "version_mismatch"  # hello with another protocol version
+ERR_INVALID_REQUEST = "invalid_request"  # the engine refused the request (ValueError text)
+ERR_DUPLICATE_REQUEST_ID = "duplicate_request_id"  # id of a request still in flight
+ERR_UNKNOWN_REQUEST = "unknown_request"  # abort of an id that is not in flight
+ERR_INVALID_CONTROL = "invalid_control"  # the engine refused a control value
+ERR_OVERLOADED = "overloaded"  # too many requests in flight
+ERR_SHUTTING_DOWN = "shutting_down"  # the engine is stopping and takes no new work
+ERR_INTERNAL = "internal_error"  # a bug in the engine; the loop keeps serving
+
+ERROR_CODES = (
+    ERR_BAD_MESSAGE,
+    ERR_UNKNOWN_KIND,
+    ERR_INVALID_MESSAGE,
+    ERR_UNAUTHORIZED,
+    ERR_VERSION_MISMATCH,
+    ERR_INVALID_REQUEST,
+    ERR_DUPLICATE_REQUEST_ID,
+    ERR_UNKNOWN_REQUEST,
+    ERR_INVALID_CONTROL,
+    ERR_OVERLOADED,
+    ERR_SHUTTING_DOWN,
+    ERR_INTERNAL,
+)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+CONTROL_OPS = (
+    "get_config",
+    "set_limits",
+    "set_prefix_caching",
+    "reset_prefix_cache",
+    "pause",
+    "resume",
+    "shutdown",
+)
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+ControlOp = Literal[
+    "get_config",
+    "set_limits",
+    "set_prefix_caching",
+    "reset_prefix_cache",
+    "pause",
+    "resume",
+    "shutdown",
+]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+_STRICT = dict(kw_only=True, forbid_unknown_fields=True, omit_defaults=True)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+class SamplingOptions(msgspec.Struct, **_STRICT):
+    """Mirror of engine_proc.sampling_params.SamplingParams (same names and defaults).
+
+    Only types are checked here; the engine validates values and its ValueError text comes back
+    as an `error` with code `invalid_request`.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+
+
+SAMPLING_FIELDS = tuple(SamplingOptions.__struct_fields__)
+
+
+class ChatMessage(msgspec.Struct, **_STRICT):
+    role: str
+    content: str
+
+
+class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """engine.model_info(); unknown extra keys from newer engines are ignored."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    block_size: int
+    num_blocks: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    model_id: str = ""
+    num_heads: int = 0
+    vocab_size: int = 0
+    attention_backend: str = ""
+    kv_pool_bytes: int = 0  # num_blocks x block_size x kv_bytes_per_token
+
+
+class LiveConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """engine.live_config() plus the server's pause switch."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_chunk: int
+    enable_prefix_caching: bool
+    paused: bool = False
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    completion_tokens: int
+
+
+# ---------------------------------------------------------------- client -> engine
+
+
+class _ClientMsg(msgspec.Struct, tag_field="kind", **_STRICT):
+    token: str | None = None  # access token; required on every message when the engine has one
+
+
+class Hello(_ClientMsg, tag="hello", kw_only=True):
+    protocol_version: int
+    client_name: str = ""
+
+
+class Generate(_ClientMsg, tag="generate", kw_only=True):
+    request_id: RequestId
+    prompt: str | list[int] | None = None  # text, or token ids
+    messages: list[ChatMessage] | None = None  # chat (the model's chat template applies)
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of `prompt` and `messages` must be given")
+        if self.messages is not None and not self.messages:
+            raise ValueError("`messages` must not be empty")
+
+
+class Abort(_ClientMsg, tag="abort", kw_only=True):
+    request_id: RequestId
+
+
+class Control(_ClientMsg, tag="control", kw_only=True):
+    op: ControlOp
+    control_id: str = ""  # echoed in the ControlAck / Error, for matching replies
+    max_num_seqs: int | None = None  # set_limits
+    max_num_batched_tokens: int | None = None  # set_limits
+    long_prefill_chunk: int | None = None  # set_limits
+    enable_prefix_caching: bool | None = None  # set_prefix_caching
+
+    def __post_init__(self) -> None:
+        limits = (self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_chunk)
+        if self.op == "set_limits" and all(v is None for v in limits):
+            raise ValueError(
+                "set_limits needs at least one of max_num_seqs, max_num_batched_tokens, "
+                "long_prefill_chunk"
+            )
+        if self.op != "set_limits" and any(v is not None for v in limits):
+            raise ValueError(f"limits are only allowed with op 'set_limits', got op {self.op!r}")
+        if self.op == "set_prefix_caching" and self.enable_prefix_caching is None:
+            raise ValueError("set_prefix_caching needs enable_prefix_caching (true or false)")
+        if self.op != "set_prefix_caching" and self.enable_prefix_caching is not None:
+            raise ValueError(
+                f"enable_prefix_caching is only allowed with op 'set_prefix_caching', "
+                f"got op {self.op!r}"
+            )
+
+
+class Heartbeat(_ClientMsg, tag="heartbeat", kw_only=True):
+    """Both directions and on PUB: `time` is the sender's monotonic clock."""
+
+    time: float = 0.0
+    paused: bool = False  # engine -> client only
+
+
+class Goodbye(_ClientMsg, tag="goodbye", kw_only=True):
+    """Client: I am leaving, abort my requests. Engine: I am shutting down."""
+
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- engine -> client
+
+
+class _EngineMsg(msgspec.Struct, tag_field="kind", **_STRICT):
+    pass
+
+
+class Welcome(_EngineMsg, tag="welcome", kw_only=True):
+    """Reply to Hello."""
+
+    protocol_version: int
+    client_id: str  # hex of the ROUTER routing id the engine sees for this client
+    model: ModelInfo
+    config: LiveConfig
+    pub_endpoint: str
+    telemetry_hz: float
+    heartbeat_interval: float
+    client_timeout: float
+    max_message_bytes: int
+    server_time: float  # engine monotonic clock
+
+
+class Delta(_EngineMsg, tag="delta", kw_only=True):
+    request_id: str
+    index: int  # sequence index within the request (0..n-1)
+    token_ids: list[int]  # new tokens of this step
+    text: str  # text that became final in this step
+    token_times: list[float]  # engine monotonic clock, one per new token
+    time: float  # engine clock when the delta was sent
+
+
+class Finish(_EngineMsg, tag="finish", kw_only=True):
+    request_id: str
+    index: int
+    reason: FinishReason
+    usage: Usage
+    ttft: float | None = None  # seconds
+    tpot: float | None = None
+    e2e: float | None = None
+    queue_time: float | None = None
+    error: str | None = None  # why, when reason is abort or error
+
+
+class ControlAck(_EngineMsg, tag="control_ack", kw_only=True):
+    control_id: str
+    op: ControlOp
+    config: LiveConfig  # the configuration after the change
+    time: float  # engine clock; every Telemetry with time >= this one shows the change
+    result: bool | None = None  # reset_prefix_cache: whether the cache was reset
+
+
+class Error(_EngineMsg, tag="error", kw_only=True):
+    code: str  # one of ERROR_CODES
+    message: str
+    request_id: str | None = None
+    control_id: str | None = None
+
+
+# ---------------------------------------------------------------- engine PUB
+
+
+class BlockArrays(msgspec.Struct, kw_only=True):
+    """BlockSnapshot arrays as raw little-endian bytes; `dtypes` holds numpy dtype strings."""
+
+    num_blocks: int
+    state: bytes  # uint8: 0 empty, 1 cached (free, hashed), 2 in use
+    ref_count: bytes  # int32
+    filled: bytes  # int32: token slots holding K/V
+    short_hash: bytes  # uint32: first 4 bytes of the prefix hash, 0 = none
+    parent: bytes  # int32: block holding the previous block of the chain, -1 = none
+    dtypes: dict[str, str]
+
+    @classmethod
+    def pack(cls, **arrays: np.ndarray) -> BlockArrays:
+        """Pack the five arrays (keyword names as the fields) with their wire dtypes."""
+        n = len(arrays["state"])
+        fields: dict[str, bytes] = {}
+        for name, dtype in BLOCK_DTYPES.items():
+            arr = np.ascontiguousarray(arrays[name], dtype=dtype)
+            assert arr.shape == (n,), f"{name} has shape {arr.shape}, expected ({n},)"
+            fields[name] = arr.tobytes()
+        return cls(num_blocks=n, dtypes=dict(BLOCK_DTYPES), **fields)
+
+    def to_numpy(self) -> dict[str, np.ndarray]:
+        """Decode to read-only numpy arrays; ValueError when sizes or dtypes do not match."""
+        out: dict[str, np.ndarray] = {}
+        for name in BLOCK_DTYPES:
+            dtype = np.dtype(self.dtypes.get(name, BLOCK_DTYPES[name]))
+            raw = getattr(self, name)
+            if len(raw) != self.num_blocks * dtype.itemsize:
+                raise ValueError(
+                    f"blocks.{name} has {len(raw)} bytes, expected "
+                    f"{self.num_blocks} x {dtype.itemsize}"
+                )
+            out[name] = np.frombuffer(raw, dtype=dtype)
+        return out
+
+
+BLOCK_DTYPES: dict[str, str] = {
+    "state": "|u1",
+    "ref_count": "<i4",
+    "filled": "<i4",
+    "short_hash": "<u4",
+    "parent": "<i4",
+}
+
+
+def blocks_to_numpy(blocks: BlockArrays) -> dict[str, np.ndarray]:
+    return blocks.to_numpy()
+
+
+class RequestState(msgspec.Struct, kw_only=True):
+    """Mirror of engine_proc.telemetry_types.RequestSnapshot."""
+
+    request_id: str
+    status: str  # waiting | running | preempted | finished
+    block_table: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    num_generated_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+class TokenEvent(msgspec.Struct, kw_only=True):
+    request_id: str
+    index: int  # 0 = first output token
+    time: float  # engine monotonic clock
+
+
+class StepStats(msgspec.Struct, kw_only=True):
+    time: float  # end of step, engine monotonic clock
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+
+
+class Telemetry(_EngineMsg, tag="telemetry", kw_only=True):
+    seq: int  # increases by one per published snapshot (gaps = dropped snapshots)
+    time: float  # engine monotonic clock
+    counters: dict[str, float]
+    config: LiveConfig
+    blocks: BlockArrays
+    requests: list[RequestState]
+    token_events: list[TokenEvent] = msgspec.field(default_factory=list)  # since previous seq
+    steps: list[StepStats] = msgspec.field(default_factory=list)  # since previous seq
+    num_clients: int = 0
+
+
+# ---------------------------------------------------------------- unions, codecs
+
+ClientMessage = Hello | Generate | Abort | Control | Heartbeat | Goodbye
+EngineMessage = Welcome | Delta | Finish | ControlAck | Error | Heartbeat | Goodbye
+PubMessage = Telemetry | Heartbeat | Goodbye
+
+CLIENT_KINDS = ("hello", "generate", "abort", "control", "heartbeat", "goodbye")
+ENGINE_KINDS = ("welcome", "delta", "finish", "control_ack", "error", "heartbeat", "goodbye")
+PUB_KINDS = ("telemetry", "heartbeat", "goodbye")
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_pub_decoder = msgspec.msgpack.Decoder(PubMessage)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_client(data: bytes) -> Any:
+    """Decode a ClientMessage; raises msgspec.DecodeError / msgspec.ValidationError."""
+    return _client_decoder.decode(data)
+
+
+def decode_engine(data: bytes) -> Any:
+    """Decode an EngineMessage (what a client's DEALER receives)."""
+    return _engine_decoder.decode(data)
+
+
+def decode_pub(data: bytes) -> Any:
+    """Decode a PubMessage (the second frame of a published message)."""
+    return _pub_decoder.decode(data)
+
+
+class ProtocolError(Exception):
+    """A frame that does not decode; `code` is one of the ERR_* codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def classify_decode_error(exc: Exception) -> ProtocolError:
+    """Map a msgspec decode failure to an error code and a message naming the field."""
+    text = str(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        if "`$.kind`" in text or "missing required field `kind`" in text:
+            return ProtocolError(ERR_UNKNOWN_KIND, f"{text}; kind must be one of {CLIENT_KINDS}")
+        return ProtocolError(ERR_INVALID_MESSAGE, text)
+    return ProtocolError(ERR_BAD_MESSAGE, f"not a MessagePack message: {text}")
+
+
+def sampling_to_dict(options: SamplingOptions) -> dict[str, Any]:
+    """Keyword arguments for engine_proc's SamplingParams (all fields, same names)."""
+    return {name: getattr(options, name) for name in SAMPLING_FIELDS}

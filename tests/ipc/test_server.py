@@ -1,0 +1,498 @@
+"""The engine server as a separate OS process (tiny random Llama), driven over ZeroMQ.
+
+One engine process serves the whole module. References are computed in-process with the same
+tiny model, one prompt at a time (sequential greedy runs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_proc.sampling_params import SamplingParams
+from ipc import protocol as P
+from ipc.client import EngineClient, EngineError, TelemetrySubscriber
+from tests.ipc.helpers import (
+    REPO,
+    TINY,
+    EngineProc,
+    is_msgpack_map,
+    raw_dealer,
+    recv_msg,
+    wait_telemetry,
+)
+
+NUM_BLOCKS = 512
+
+
+_REFERENCE: list = []
+
+
+@pytest.fixture(scope="module")
+def engine():
+    proc = EngineProc(
+        TINY
+        + [
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--telemetry-hz",
+            "20",
+            "--client-timeout",
+            "5",
+            "--heartbeat-interval",
+            "0.5",
+        ],
+        wait=False,
+    )
+    try:
+        from tests.engine_fixtures import tiny_engine
+
+        # Build the in-process reference while the engine process starts.
+        _REFERENCE[:] = [
+            tiny_engine(num_kv_blocks=NUM_BLOCKS, attention_backend="torch", device="cpu")
+        ]
+        proc.wait_ready(300)
+        yield proc
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return _REFERENCE[0]
+
+
+@pytest.fixture()
+def client(engine):
+    c = EngineClient(engine.endpoint, client_name="test")
+    yield c
+    c.close()
+
+
+def greedy(reference, prompt: str, max_tokens: int) -> list[int]:
+    out = reference.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return out[0].token_ids
+
+
+def _prompt(i: int) -> str:
+    return f"request {i}: " + "abcdefgh"[i % 8] * (3 + i % 11)
+
+
+def test_ready_line_progress_and_welcome(engine, client) -> None:
+    assert engine.endpoint.startswith("tcp://127.0.0.1:")
+    assert engine.pub_endpoint.startswith("tcp://127.0.0.1:")
+    assert engine.progress[0].startswith("KVSCOPE_PROGRESS 0.00")
+    assert engine.progress[-1].startswith("KVSCOPE_PROGRESS 1.00")
+    w = client.welcome
+    assert w.protocol_version == P.PROTOCOL_VERSION
+    assert w.model.num_blocks == NUM_BLOCKS and w.model.num_layers == 2
+    assert w.model.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # 2 x layers x kv heads x dim x fp32
+    assert w.pub_endpoint == engine.pub_endpoint
+
+
+def test_stream_matches_in_process_engine(engine, client, reference) -> None:
+    prompt = "hello world, this is a test"
+    stream = client.generate(prompt, max_tokens=12, temperature=0.0)
+    events = list(stream)
+    deltas = [e for e in events if isinstance(e, P.Delta)]
+    assert isinstance(events[-1], P.Finish) and len(deltas) >= 1
+    assert stream.token_ids == greedy(reference, prompt, 12)
+    assert stream.text == reference.tokenizer.decode(stream.token_ids)
+    f = stream.finish
+    assert f.reason == "length" and f.usage.completion_tokens == 12
+    assert f.usage.prompt_tokens == len(prompt)
+    assert f.ttft is not None and f.ttft > 0 and f.e2e >= f.ttft
+    assert sum(len(d.token_times) for d in deltas) == 12
+
+
+def test_64_concurrent_clients_equal_sequential_runs(engine, reference) -> None:
+    n = 64
+    expected = [greedy(reference, _prompt(i), 8 + i % 4) for i in range(n)]
+    barrier = threading.Barrier(n)
+
+    def one(i: int) -> list[int]:
+        with EngineClient(engine.endpoint, client_name=f"t{i}") as c:
+            barrier.wait(timeout=120)
+            stream = c.generate(_prompt(i), max_tokens=8 + i % 4, temperature=0.0)
+            got = [ev for ev in stream]
+            assert isinstance(got[-1], P.Finish) and got[-1].reason == "length"
+            return stream.token_ids
+
+    with cf.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
+    assert results == expected
+
+
+def test_one_client_many_threads(engine, client, reference) -> None:
+    prompts = [_prompt(i) for i in range(16)]
+    expected = [greedy(reference, p, 10) for p in prompts]
+    with cf.ThreadPoolExecutor(16) as pool:
+        got = list(
+            pool.map(
+                lambda p: client.generate(p, max_tokens=10, temperature=0.0).result(60).token_ids,
+                prompts,
+            )
+        )
+    assert got == expected
+
+
+def test_request_errors_come_back_named(engine, client) -> None:
+    with pytest.raises(EngineError) as info:
+        client.generate("x", max_tokens=4, temperature=-1.0).result(30)
+    assert info.value.code == P.ERR_INVALID_REQUEST and "temperature" in info.value.message
+    with pytest.raises(EngineError) as info:
+        client.generate("", max_tokens=4).result(30)
+    assert info.value.code == P.ERR_INVALID_REQUEST and "prompt" in info.value.message
+    with pytest.raises(EngineError) as info:
+        client.control("set_limits", max_num_seqs=0)
+    assert info.value.code == P.ERR_INVALID_CONTROL and "max_num_seqs" in info.value.message
+    # Duplicate id while the first is in flight (raw socket: the client library refuses it).
+    d = raw_dealer(engine.endpoint)
+    try:
+        gen = P.Generate(request_id="dup", prompt="abc", sampling=P.SamplingOptions(max_tokens=400))
+        d.send(P.encode(gen))
+        d.send(P.encode(gen))
+        got = [recv_msg(d) for _ in range(3)]
+        errors = [m for m in got if isinstance(m, P.Error)]
+        assert errors and errors[0].code == P.ERR_DUPLICATE_REQUEST_ID
+        assert errors[0].request_id == "dup"
+        d.send(P.encode(P.Abort(request_id="dup")))
+        while not isinstance(m := recv_msg(d), P.Finish):
+            pass
+        assert m.reason == "abort" and m.error
+    finally:
+        d.close()
+
+
+# ----------------------------------------------------------------- fuzzing the ROUTER
+
+_ints = st.integers(-(2**63), 2**64 - 1)  # what MessagePack can carry
+_field_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    _ints,
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.lists(_ints, max_size=5),
+    st.dictionaries(st.text(max_size=5), _ints, max_size=3),
+)
+_field_names = st.sampled_from(
+    [
+        "request_id",
+        "prompt",
+        "messages",
+        "sampling",
+        "op",
+        "protocol_version",
+        "token",
+        "max_num_seqs",
+        "control_id",
+        "time",
+        "reason",
+        "cache_salt",
+        "bogus",
+    ]
+)
+_kinds = st.one_of(
+    st.sampled_from(list(P.CLIENT_KINDS) + ["welcome", "delta", "telemetry", "", "GENERATE"]),
+    _field_values,
+)
+
+
+def _invalid(data: bytes) -> bool:
+    try:
+        P.decode_client(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return True
+    return False
+
+
+_garbage = st.one_of(
+    st.binary(max_size=300),
+    st.builds(
+        lambda kind, fields: msgspec.msgpack.encode({"kind": kind, **fields}),
+        _kinds,
+        st.dictionaries(_field_names, _field_values, max_size=4),
+    ),
+    st.builds(msgspec.msgpack.encode, _field_values),
+).filter(_invalid)
+
+_semantic = st.one_of(
+    st.builds(lambda i: P.Abort(request_id=f"nobody-{i}"), st.integers(0, 10**9)),
+    st.builds(lambda v: P.Hello(protocol_version=v), st.integers(2, 1000)),
+    st.builds(
+        lambda t, k: P.Generate(
+            request_id="bad", prompt="x", sampling=P.SamplingOptions(temperature=t, max_tokens=k)
+        ),
+        st.floats(-5, -0.01),
+        st.integers(-5, 3),
+    ),
+    st.just(P.Generate(request_id="bad2", prompt=[10**6])),
+    st.just(P.Control(op="set_limits", max_num_batched_tokens=0)),
+)
+
+
+_background_expected: dict[int, list[int]] = {}
+
+
+class _Background:
+    """A well-behaved client streaming one long greedy request during the abuse."""
+
+    def __init__(self, endpoint: str, reference, max_tokens: int = 100) -> None:
+        self.prompt = "the well-behaved client"
+        if max_tokens not in _background_expected:
+            _background_expected[max_tokens] = greedy(reference, self.prompt, max_tokens)
+        self.expected = _background_expected[max_tokens]
+        self.max_tokens = max_tokens
+        self.client = EngineClient(endpoint, client_name="good")
+        self.stream = self.client.generate(self.prompt, max_tokens=max_tokens, temperature=0.0)
+
+    def check(self) -> None:
+        self.stream.result(60)
+        self.client.close()
+        assert self.stream.finish.reason == "length"
+        assert self.stream.token_ids == self.expected
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=st.lists(st.one_of(_garbage, _semantic.map(P.encode)), min_size=1, max_size=5))
+def test_fuzz_every_bad_message_gets_an_error(engine, frames: list[bytes]) -> None:
+    d = raw_dealer(engine.endpoint)
+    try:
+        for f in frames:
+            d.send(f)
+        for _ in frames:
+            msg = recv_msg(d, timeout=30)
+            assert isinstance(msg, P.Error), msg
+            assert msg.code in P.ERROR_CODES
+    finally:
+        d.close()
+
+
+def test_fuzz_run_with_a_concurrent_good_client(engine, reference) -> None:
+    bg = _Background(engine.endpoint, reference)
+    test_fuzz_every_bad_message_gets_an_error(engine)
+    # Multi-frame messages are refused too.
+    d = raw_dealer(engine.endpoint)
+    try:
+        d.send_multipart([P.encode(P.Heartbeat()), b"extra"])
+        assert recv_msg(d).code == P.ERR_BAD_MESSAGE
+    finally:
+        d.close()
+    bg.check()
+
+
+def test_abort_flood_for_unknown_ids(engine, reference) -> None:
+    bg = _Background(engine.endpoint, reference)
+    d = raw_dealer(engine.endpoint)
+    try:
+        n = 1000
+        for i in range(n):
+            d.send(P.encode(P.Abort(request_id=f"ghost-{i}")))
+        got = [recv_msg(d, timeout=30) for _ in range(n)]
+        assert all(isinstance(m, P.Error) and m.code == P.ERR_UNKNOWN_REQUEST for m in got)
+        assert sorted(m.request_id for m in got) == sorted(f"ghost-{i}" for i in range(n))
+    finally:
+        d.close()
+    bg.check()
+
+
+def test_oversize_frame_is_dropped_and_engine_keeps_serving(engine, reference) -> None:
+    bg = _Background(engine.endpoint, reference)
+    d = raw_dealer(engine.endpoint)
+    try:
+        d.send(b"\x81" + b"x" * (P.MAX_CLIENT_MESSAGE_BYTES + 10))
+        assert not d.poll(1000)  # no reply: ZMQ drops the frame and the connection
+        # The DEALER reconnects by itself; the engine answers it again.
+        d.send(P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION)))
+        assert isinstance(recv_msg(d, timeout=30), P.Welcome)
+    finally:
+        d.close()
+    bg.check()
+
+
+# ----------------------------------------------------------------- liveness and telemetry
+
+
+def _blocks_free(rid: str):
+    def pred(t: P.Telemetry) -> bool:
+        return t.counters["num_blocks_in_use"] == 0 and all(r.request_id != rid for r in t.requests)
+
+    return pred
+
+
+def test_client_closing_mid_stream_frees_blocks_within_1s(engine) -> None:
+    sub = TelemetrySubscriber(engine.pub_endpoint)
+    try:
+        c = EngineClient(engine.endpoint)
+        stream = c.generate("a long one " * 5, max_tokens=900, temperature=0.0)
+        for _, _ev in zip(range(3), stream, strict=False):
+            pass
+        busy = wait_telemetry(sub, lambda t: t.counters["num_blocks_in_use"] > 0)
+        assert any(r.request_id == stream.request_id for r in busy.requests)
+        c.close()  # goodbye
+        wait_telemetry(sub, _blocks_free(stream.request_id), timeout=1.0)
+
+        # A client that vanishes without a goodbye (socket closed, linger 0).
+        d = raw_dealer(engine.endpoint)
+        d.send(
+            P.encode(
+                P.Generate(
+                    request_id="vanish",
+                    prompt="abc" * 10,
+                    sampling=P.SamplingOptions(max_tokens=900, temperature=0.0),
+                )
+            )
+        )
+        assert isinstance(recv_msg(d), P.Delta)
+        d.close(linger=0)
+        wait_telemetry(sub, _blocks_free("vanish"), timeout=1.0)
+    finally:
+        sub.close()
+
+
+def test_subscriber_gets_10_snapshots_per_second_with_32_requests(engine, client) -> None:
+    sub = TelemetrySubscriber(engine.pub_endpoint)
+    try:
+        sub.latest(5.0)
+        streams = [client.generate(_prompt(i), max_tokens=300, temperature=0.0) for i in range(32)]
+        running: list[P.Telemetry] = []
+        deadline = time.monotonic() + 120
+        while not all(s.done for s in streams) and time.monotonic() < deadline:
+            msg = sub.recv(0.2)
+            if isinstance(msg, P.Telemetry) and msg.counters["num_requests_running"] >= 16:
+                running.append(msg)
+            for s in streams:
+                s.drain()
+        assert all(s.done for s in streams)
+        assert all(s.finish.reason == "length" for s in streams)
+        assert len(running) >= 3
+        span = running[-1].time - running[0].time
+        rate = (len(running) - 1) / span
+        assert rate >= 10, f"{len(running)} snapshots over {span:.2f} s"
+        assert sum(len(t.token_events) for t in running) > 0
+        assert sum(len(t.steps) for t in running) > 0
+        state = running[len(running) // 2].blocks.to_numpy()["state"]
+        assert len(state) == NUM_BLOCKS and (state == 2).sum() > 0
+    finally:
+        sub.close()
+
+
+def test_control_shows_in_next_snapshot_and_in_scheduling(engine, client) -> None:
+    sub = TelemetrySubscriber(engine.pub_endpoint)
+    try:
+        ack = client.control("set_limits", max_num_seqs=2)
+        assert ack.config.max_num_seqs == 2
+        snap = wait_telemetry(sub, lambda t: t.time >= ack.time)
+        assert snap.config.max_num_seqs == 2
+        streams = [client.generate(_prompt(i), max_tokens=16, temperature=0.0) for i in range(6)]
+        snaps: list[P.Telemetry] = []
+        while not all(s.done for s in streams):
+            msg = sub.recv(0.1)
+            if isinstance(msg, P.Telemetry):
+                snaps.append(msg)
+            for s in streams:
+                s.drain()
+        assert max(t.counters["num_requests_running"] for t in snaps) <= 2
+        assert max(st.num_running for t in snaps for st in t.steps) <= 2
+        assert max(t.counters["num_requests_waiting"] for t in snaps) >= 1
+        assert client.set_limits(max_num_seqs=64).max_num_seqs == 64
+
+        ack = client.control("set_prefix_caching", enable_prefix_caching=False)
+        assert (
+            wait_telemetry(sub, lambda t: t.time >= ack.time).config.enable_prefix_caching is False
+        )
+        prompt = "prefix caching check " * 4  # several full blocks
+        client.generate(prompt, max_tokens=2).result(30)
+        assert client.generate(prompt, max_tokens=2).result(30).finish.usage.cached_tokens == 0
+        client.set_prefix_caching(True)
+        client.generate(prompt, max_tokens=2).result(30)
+        assert client.generate(prompt, max_tokens=2).result(30).finish.usage.cached_tokens > 0
+        assert client.reset_prefix_cache() is True
+        assert client.generate(prompt, max_tokens=2).result(30).finish.usage.cached_tokens == 0
+    finally:
+        sub.close()
+
+
+def test_pause_and_resume(engine, client) -> None:
+    sub = TelemetrySubscriber(engine.pub_endpoint)
+    try:
+        ack = client.control("pause")
+        assert ack.config.paused
+        assert wait_telemetry(sub, lambda t: t.time >= ack.time).config.paused
+        stream = client.generate("paused", max_tokens=4, temperature=0.0)
+        assert stream.next_event(timeout=0.5) is None  # nothing runs while paused
+        assert not client.resume().paused
+        assert stream.result(30).finish.reason == "length"
+    finally:
+        sub.close()
+
+
+def test_wire_carries_only_msgpack(engine) -> None:
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(engine.pub_endpoint)
+    d = raw_dealer(engine.endpoint)
+    try:
+        frames: list[bytes] = []
+        d.send(P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION)))
+        d.send(
+            P.encode(
+                P.Generate(
+                    request_id="wire", prompt="abc", sampling=P.SamplingOptions(max_tokens=5)
+                )
+            )
+        )
+        d.send(P.encode(P.Control(op="get_config")))
+        d.send(b"garbage")
+        kinds = set()
+        while not {"welcome", "finish", "control_ack", "error"} <= kinds:
+            assert d.poll(30_000)
+            parts = d.recv_multipart()
+            assert len(parts) == 1
+            frames.append(parts[0])
+            kinds.add(msgspec.msgpack.decode(parts[0])["kind"])
+        topics = set()
+        while not {P.TOPIC_TELEMETRY, P.TOPIC_HEARTBEAT} <= topics:
+            assert sub.poll(30_000)
+            topic, body = sub.recv_multipart()
+            topics.add(topic)
+            frames.append(body)
+        for f in frames:
+            assert f[:1] != b"\x80"  # pickle protocol >= 2 opcode PROTO
+            assert is_msgpack_map(f)
+    finally:
+        d.close()
+        sub.close(linger=0)
+
+
+def test_non_loopback_bind_is_refused() -> None:
+    cmd = [sys.executable, "-m", "engine_proc.server", "--endpoint", "tcp://0.0.0.0:*"]
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert r.returncode == 2 and "allow-remote" in r.stderr and "KVSCOPE_READY" not in r.stdout
+    r = subprocess.run(
+        cmd + ["--allow-remote"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
+    assert r.returncode == 2 and "token" in r.stderr
+    r = subprocess.run(
+        cmd[:3] + ["--pub-endpoint", "tcp://*:0"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 2

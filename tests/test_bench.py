@@ -1,0 +1,198 @@
+"""app.bench (workloads, statistics, the table) and engine_proc.bench_worker (one real run on a
+tiny random model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.bench import (
+    QUICK,
+    WORKLOADS,
+    Vocab,
+    build_rows,
+    format_table,
+    interference_stats,
+    make_workload,
+    percentile,
+    summarize_workload,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = Vocab(49152, list(range(17)))
+TINY = replace(
+    QUICK, mixed_n=5, mixed_prompt=(3, 40), mixed_out=(2, 6), shared_n=3, shared_prefix=32,
+    shared_user=5, shared_out=2, interf_streams=2, interf_long=40, interf_chunk=8,
+    interf_warm=2, interf_tail=2, prefill_len=20, single_prompt=8, single_new=4,
+)
+
+
+# ------------------------------------------------------------------------------- workloads
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workload_is_deterministic_per_seed(name: str) -> None:
+    a = make_workload(name, QUICK, 7, VOCAB)
+    b = make_workload(name, QUICK, 7, VOCAB)
+    c = make_workload(name, QUICK, 8, VOCAB)
+    assert json.dumps(a) == json.dumps(b)
+    assert [r["prompt"] for r in a["requests"]] != [r["prompt"] for r in c["requests"]]
+    for r in a["requests"]:
+        assert all(17 <= t < 49152 for t in r["prompt"])
+        assert r["max_tokens"] >= 1
+
+
+def test_workload_shapes_follow_sizes() -> None:
+    s = QUICK
+    mixed = make_workload("mixed", s, 0, VOCAB)["requests"]
+    poisson = make_workload("mixed-poisson", s, 0, VOCAB)["requests"]
+    assert len(mixed) == s.mixed_n
+    assert all(s.mixed_prompt[0] <= len(r["prompt"]) <= s.mixed_prompt[1] for r in mixed)
+    assert all(s.mixed_out[0] <= r["max_tokens"] <= s.mixed_out[1] for r in mixed)
+    assert [r["prompt"] for r in mixed] == [r["prompt"] for r in poisson]
+    arrivals = [r["arrival_s"] for r in poisson]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0 and arrivals[-1] > 0
+    shared = make_workload("shared-prefix", s, 0, VOCAB)["requests"]
+    prefix = shared[0]["prompt"][: s.shared_prefix]
+    assert len(shared) == s.shared_n
+    assert all(r["prompt"][: s.shared_prefix] == prefix for r in shared)
+    assert len({tuple(r["prompt"][s.shared_prefix:]) for r in shared}) == s.shared_n
+    single = make_workload("single", s, 0, VOCAB)["requests"]
+    assert [(len(r["prompt"]), r["max_tokens"]) for r in single] == [(s.single_prompt,
+                                                                     s.single_new)]
+
+
+# ------------------------------------------------------------------------------- statistics
+
+
+def test_percentile_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    xs = list(rng.exponential(size=37))
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([], 50) is None
+
+
+def test_interference_stats_by_hand() -> None:
+    # Stream d0 ticks every 0.1 s, except one 0.5 s gap while the long prompt (arrival 0.25,
+    # first token 0.8) is prefilled.
+    times = [0.0, 0.1, 0.2, 0.3, 0.8, 0.9, 1.0]
+    run = {"requests": [
+        {"id": "d0", "token_times": times},
+        {"id": "long", "arrival": 0.25, "token_times": [0.8]},
+    ]}
+    s = interference_stats(run)
+    assert s["itl_during_count"] == 2  # 0.2->0.3 and 0.3->0.8 end inside (0.25, 0.8]
+    assert s["itl_median"] == pytest.approx(0.1)
+    assert s["itl_p99_during"] == pytest.approx(0.1 + 0.99 * 0.4)
+    assert s["p99_over_median"] == pytest.approx((0.1 + 0.99 * 0.4) / 0.1)
+
+
+def test_rows_compute_ratios_and_verdicts() -> None:
+    summary = {
+        "single": {"kvscope": {"decode_tok_s": 30.0, "ttft_p50": 0.1},
+                   "hf": {"decode_tok_s": 10.0, "ttft_p50": 0.3}},
+        "prefill": {"kvscope": {"prefill_tok_s": 90.0}, "hf": {"prefill_tok_s": 100.0}},
+        "mixed": {"kvscope": {"output_tok_s": 50.0, "total_tok_s": 300.0,
+                              "paged_token_occupancy": 0.97,
+                              "contiguous_max_len_occupancy": 0.05},
+                  "hf": {"output_tok_s": 20.0, "total_tok_s": 100.0}},
+        "shared-prefix": {"kvscope": {"ttft_p50": 0.05, "hits_of_shareable": 1.0},
+                          "kvscope-nocache": {"ttft_p50": 0.5}},
+        "interference": {"kvscope": {"itl_p99_over_median": 2.5},
+                         "kvscope-nochunk": {"itl_p99_over_median": 40.0}},
+    }
+    ceilings = {"read_bw_gbs": 10.0, "fp32_matmul_gflops": 40.0, "bf16_matmul_gflops": 1.0,
+                "model": {"weight_bytes": 500e6, "num_params": 100e6, "dtype": "float32"}}
+    rows = {(r.section, r.metric): r for r in build_rows(summary, ceilings)}
+    r = rows[("single", "decode tok/s (1/TPOT)")]
+    assert (r.value, r.baseline, r.ratio, r.passed) == (30.0, 10.0, 3.0, True)
+    r = rows[("single", "TTFT p50 s")]
+    assert r.ratio == pytest.approx(3.0) and r.passed is None  # lower is better: 0.3 / 0.1
+    r = rows[("single", "decode / (bandwidth / weight bytes)")]
+    assert r.baseline == pytest.approx(20.0) and r.ratio == pytest.approx(1.5) and r.passed
+    r = rows[("ceilings", "best tok/s (mixed) / (FLOP/s / 2P)")]
+    assert r.value == 300.0 and r.baseline == pytest.approx(200.0)
+    r = rows[("prefill", "prefill tok/s")]
+    assert r.ratio == pytest.approx(0.9) and r.passed is False
+    assert rows[("mixed", "output tok/s")].ratio == pytest.approx(2.5)
+    assert rows[("mixed", "output tok/s")].passed is True
+    r = rows[("shared-prefix", "TTFT p50 s (cache vs nocache)")]
+    assert r.ratio == pytest.approx(10.0) and r.passed is True
+    assert rows[("shared-prefix", "hits / shareable prompt tokens")].passed is True
+    assert rows[("interference", "ITL p99 during long / median (kvscope)")].passed is True
+    assert rows[("kv", "paged KV token occupancy")].passed is True
+    # Absent measurements give no verdict rather than a failure.
+    assert rows[("mixed-poisson", "output tok/s")].ratio is None
+    table = format_table(list(rows.values()))
+    assert "3.00x" in table and "MISS" in table and "PASS" in table
+
+
+# ------------------------------------------------------------------------------- the worker
+
+
+def _run_worker(system: str, workload: dict, model: Path, tmp_path: Path) -> dict:
+    path = tmp_path / f"{workload['name']}.json"
+    path.write_text(json.dumps(workload))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine_proc.bench_worker", "--system", system, "--workload",
+         str(path), "--model", str(model), "--threads", "1", "--no-cache"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_sane(result: dict, workload: dict) -> None:
+    reqs = workload["requests"]
+    assert result["num_requests"] == len(reqs)
+    assert result["prompt_tokens"] == sum(len(r["prompt"]) for r in reqs)
+    assert result["output_tokens"] == sum(r["max_tokens"] for r in reqs)  # EOS is ignored
+    by_id = {q["id"]: q for q in result["requests"]}
+    for r in reqs:
+        q = by_id[r["id"]]
+        assert q["prompt_tokens"] == len(r["prompt"])
+        assert q["output_tokens"] == r["max_tokens"] == len(q["itl"]) + 1
+        assert all(x > 0 for x in q["itl"])
+        assert q["ttft"] > 0 and q["e2e"] >= q["ttft"]
+        assert q["token_times"] == sorted(q["token_times"])
+    assert result["wall_s"] > 0 and result["output_tok_s"] > 0
+    assert result["peak_rss_mb"] > 10
+
+
+@pytest.mark.slow
+def test_worker_runs_kvscope_on_a_tiny_model(tmp_path: Path) -> None:
+    from tests.tiny_models import tiny_model_dir
+
+    model = tiny_model_dir()
+    mixed = make_workload("mixed", TINY, 3, VOCAB)
+    result = _run_worker("kvscope", mixed, model, tmp_path)
+    _check_sane(result, mixed)
+    assert result["system"] == "kvscope" and result["num_preemptions"] == 0
+    kv = result["kv"]
+    assert 0 < kv["paged_token_occupancy"] <= 1
+    assert kv["contiguous_max_len_occupancy"] < kv["paged_token_occupancy"]
+
+    shared = make_workload("shared-prefix", TINY, 3, VOCAB)
+    result = _run_worker("kvscope", shared, model, tmp_path)
+    _check_sane(result, shared)
+    # Chats arrive one after another: every chat after the first hits the whole prefix (its
+    # length is a multiple of the block size), and nothing else.
+    assert result["prefix_cache_hits"] == (TINY.shared_n - 1) * TINY.shared_prefix
+    summary = summarize_workload("shared-prefix", [result], shared)
+    assert summary["hits_of_shareable"] == pytest.approx(1.0)
+
+
+def test_app_bench_does_not_import_torch() -> None:
+    code = ("import sys, app.bench; bad = [m for m in ('torch', 'transformers', 'engine_proc') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))

@@ -1,0 +1,28 @@
+"""GUI tests run headless; the engine (when a test needs one) is a real `engine_proc serve`
+process over a tiny random model (tests/ui/engines.py), one per test module."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+os.environ.setdefault("QT_LOGGING_RULES", "qt.qpa.*=false")
+
+import pytest  # noqa: E402
+
+import ui  # noqa: E402,F401  (applies the PySide6 refcount workaround before any Qt call)
+
+TINY_ENGINE_ARGS = ["--engine-factory", "tests.ui.engines:tiny_chat", "--num-threads", "1",
+                    "--telemetry-hz", "20", "--log-level", "INFO"]
+
+
+def tiny_engine_command(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "engine_proc", "serve", *TINY_ENGINE_ARGS, *extra]
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    d = tmp_path / "kvscope-data"
+    monkeypatch.setenv("KVSCOPE_DATA_DIR", str(d))
+    return d
