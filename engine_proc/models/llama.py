@@ -55,10 +55,13 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(device)
         self.sin = freqs.sin().to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of this step's positions: gathered once, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [tokens, heads, head_dim]; rotate_half layout (the HF convention).
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -130,12 +133,13 @@ class LlamaModel:
     ) -> torch.Tensor:
         cfg = self.config
         h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.tables(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rotary.apply(q.view(-1, cfg.num_heads, cfg.head_dim), positions)
-            k = self.rotary.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)
+            q = self.rotary.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self.rotary.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
