@@ -199,6 +199,9 @@ class LLMEngine:
         self.requests.pop(request_id, None)
         return outputs
 
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self.requests
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -348,6 +351,7 @@ class LLMEngine:
             text=seq.detokenizer.text[: seq.detokenizer.emitted],
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            metrics=seq.metrics,  # token times of every output so far, for streaming clients
         )
 
     @staticmethod

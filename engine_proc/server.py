@@ -218,7 +218,9 @@ class EngineServer:
         if now - self._last_heartbeat >= self.cfg.heartbeat_interval:
             self._last_heartbeat = now
             self._heartbeat(now)
-            self._expire_clients(now)
+            # A long step leaves heartbeats queued unread: read them before judging silence.
+            self._drain_router()
+            self._expire_clients(time.monotonic())
 
     # ---------------------------------------------------------------- inbound
 

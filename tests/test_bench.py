@@ -19,6 +19,7 @@ from app.bench import (
     Vocab,
     build_rows,
     format_table,
+    ideal_paged_occupancy,
     interference_stats,
     make_workload,
     percentile,
@@ -133,6 +134,12 @@ def test_rows_compute_ratios_and_verdicts() -> None:
     assert rows[("mixed-poisson", "output tok/s")].ratio is None
     table = format_table(list(rows.values()))
     assert "3.00x" in table and "MISS" in table and "PASS" in table
+
+
+def test_ideal_paged_occupancy_by_hand() -> None:
+    # Lengths 15, 16, 17 with blocks of 16: 48 filled slots in 16 + 16 + 32 allocated.
+    reqs = [{"prompt": [5] * 15, "max_tokens": 3}]
+    assert ideal_paged_occupancy(reqs, 16) == pytest.approx(48 / 64)
 
 
 # ------------------------------------------------------------------------------- the worker

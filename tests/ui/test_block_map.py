@@ -66,11 +66,11 @@ def test_image_pixels_use_the_discrete_lut(qtbot, frames):
     w.redraw()
     img = w.image.image
     rows, cols = w._shape
-    assert img.shape == (rows * bm.PITCH, cols * bm.PITCH) and img.dtype == np.uint8
+    assert img.shape == (rows * w.pitch, cols * w.pitch) and img.dtype == np.uint8
     # the top-left pixel of cell b holds the colour index of block b
     for b in range(f.num_blocks):
         r, c = divmod(b, cols)
-        assert img[r * bm.PITCH, c * bm.PITCH] == w.colour_index[b]
+        assert img[r * w.pitch, c * w.pitch] == w.colour_index[b]
     assert w.image.levels is not None and list(w.image.levels) == [0, bm.LUT_SIZE]
 
 
@@ -86,7 +86,7 @@ def test_hover_and_tooltip(qtbot, frames):
     shared = int(np.flatnonzero((f.state == BLOCK_IN_USE) & (f.ref_count > 1))[0])
     rows, cols = w._shape
     r, c = divmod(shared, cols)
-    centre = w.image.mapToScene(QPointF(c * bm.PITCH + bm.CELL / 2, r * bm.PITCH + bm.CELL / 2))
+    centre = w.image.mapToScene(QPointF(c * w.pitch + w.cell / 2, r * w.pitch + w.cell / 2))
     assert w.block_at(centre) == shared
     tip = w.tooltip_text(shared)
     owners = [x.request_id for x in f.requests if shared in x.block_table]
@@ -109,7 +109,7 @@ def test_highlight_dims_other_blocks_and_lists_the_block_table(qtbot, frames):
     mine = set(req.block_table)
     for b in range(f.num_blocks):
         r, c = divmod(b, cols)
-        dimmed = img[r * bm.PITCH, c * bm.PITCH] >= bm.DIM
+        dimmed = img[r * w.pitch, c * w.pitch] >= bm.DIM
         assert dimmed == (b not in mine)
     text = w.block_table.toPlainText()
     for i, b in enumerate(req.block_table):
@@ -124,6 +124,22 @@ def test_highlight_dims_other_blocks_and_lists_the_block_table(qtbot, frames):
     w.highlight_request(gone)
     expect = {b for b, x in zip(table, hashes, strict=True) if x and f.short_hash[b] == x}
     assert w.highlight_blocks == expect
+
+
+def test_big_pools_get_small_cells(qtbot):
+    w = BlockMapWidget()
+    qtbot.addWidget(w)
+    eng = SyntheticEngine(num_blocks=100_000, seed=2)
+    for _ in range(5):
+        eng.add(prompt=200)
+    for _ in range(30):
+        eng.step()
+    f = Frame.from_wire(eng.snapshot())
+    w.set_frame(f)
+    w.redraw()
+    rows, cols = w._shape
+    assert (w.cell, w.pitch) == (1, 1) and w.image.image.shape == (rows, cols)
+    np.testing.assert_array_equal(w.image.image.reshape(-1)[: f.num_blocks], w.colour_index)
 
 
 def test_charts_items_are_created_once(qtbot, frames):

@@ -1,0 +1,266 @@
+"""`python -m app` / `kvscope`: the desktop app, and its subcommands.
+
+    kvscope [gui] [options]      the window (spawns the engine, or --connect to a running one)
+    kvscope chat ...             terminal chat (app.chat)
+    kvscope bench ...            benchmarks (app.bench)
+
+GUI extras: `--screenshot OUT.png [--load N]` renders the window under load to a PNG and exits;
+`--measure-latency SECONDS [--load 32]` prints the GUI event-loop latency percentiles;
+`--demo` drives every panel from a synthetic engine (no model, no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvscope", description="KVScope desktop app. Subcommands: "
+                                 "gui (default), chat, bench.")
+    ap.add_argument("--connect", metavar="ENDPOINT", help="attach to a running engine instead "
+                    "of spawning one (e.g. tcp://127.0.0.1:5557)")
+    ap.add_argument("--token", default=None, help="engine access token (or $KVSCOPE_TOKEN)")
+    ap.add_argument("--data-dir", default=None, help="conversations and settings directory "
+                    "(default: the platform's app data dir; or $KVSCOPE_DATA_DIR)")
+    g = ap.add_argument_group("spawned engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--engine-args", default="", help="more `python -m engine_proc serve` "
+                   "options, as one shell-quoted string")
+    t = ap.add_argument_group("tools")
+    t.add_argument("--demo", action="store_true", help="synthetic engine: try the UI without a "
+                   "model")
+    t.add_argument("--screenshot", metavar="OUT.png", help="render the window to a PNG and exit")
+    t.add_argument("--load", type=int, default=0, metavar="N",
+                   help="start N concurrent synthetic chats once the engine is ready")
+    t.add_argument("--load-max-tokens", type=int, default=96, metavar="N",
+                   help="longest synthetic reply of --load (shortest: N/6)")
+    t.add_argument("--settle", type=float, default=8.0, metavar="S",
+                   help="seconds of load before --screenshot captures (default 8)")
+    t.add_argument("--measure-latency", type=float, default=None, metavar="S",
+                   help="measure GUI event-loop latency for S seconds (use with --load 32), "
+                   "print percentiles, exit")
+    t.add_argument("--refresh-hz", type=float, default=10.0,
+                   help="chart and block map redraw rate (10-30)")
+    t.add_argument("--timeout", type=float, default=600.0,
+                   help="give up a --screenshot / --measure-latency run after S seconds")
+    t.add_argument("--log-level", default="WARNING")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        try:
+            mod = importlib.import_module(SUBCOMMANDS[argv[0]])
+        except ImportError as exc:
+            print(f"kvscope {argv[0]}: unavailable ({exc})", file=sys.stderr)
+            return 2
+        return int(mod.main(argv[1:]) or 0)
+    if argv and argv[0] == "gui":
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_gui(args)
+
+
+def run_gui(args: argparse.Namespace) -> int:
+    headless = bool(args.screenshot or args.measure_latency)
+    if headless and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtWidgets import QApplication
+
+    from app.conversations import ConversationStore
+    from app.settings import APP, ORG, data_dir, open_settings
+    from ui import theme
+    from ui.main_window import EngineSource, MainWindow
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setOrganizationName(ORG)
+    app.setApplicationName(APP)
+    theme.apply_dark_theme(app)
+    ddir = data_dir(args.data_dir)
+    settings = open_settings(args.data_dir)
+    store = ConversationStore(ddir / "conversations")
+    options = _engine_options(args, settings)
+    source = EngineSource(
+        connect="demo://" if args.demo else args.connect,
+        options=options,
+        token=args.token or os.environ.get("KVSCOPE_TOKEN"),
+    )
+    win = MainWindow(settings, store, source, refresh_hz=args.refresh_hz, data_dir=ddir)
+    win.show()
+    win.start_engine()
+    app.aboutToQuit.connect(win.shutdown)
+    if args.screenshot:
+        return _screenshot(app, win, Path(args.screenshot), args)
+    if args.measure_latency is not None:
+        return _measure(app, win, args)
+    if args.load:
+        _when_ready(win, lambda: _start_load(win, args.load, args.load_max_tokens))
+    return app.exec()
+
+
+def _engine_options(args: argparse.Namespace, settings) -> Any:
+    """Command-line values win; the rest come from the last session (QSettings)."""
+    from app.supervisor import EngineOptions
+
+    def pick(name: str, kind: type):
+        v = getattr(args, name)
+        if v is not None:
+            settings.setValue(f"engine/{name}", v)
+            return v
+        stored = settings.value(f"engine/{name}")
+        try:
+            return kind(stored) if stored not in (None, "") else None
+        except (TypeError, ValueError):
+            return None
+
+    return EngineOptions(model=pick("model", str), dtype=pick("dtype", str),
+                         device=pick("device", str), num_kv_blocks=pick("num_kv_blocks", int),
+                         max_model_len=pick("max_model_len", int),
+                         extra_args=shlex.split(args.engine_args))
+
+
+def _when_ready(win, fn) -> None:
+    from PySide6.QtCore import QTimer
+
+    def check() -> None:
+        if win.state in ("ready", "busy"):
+            timer.stop()
+            fn()
+
+    timer = QTimer(win)
+    timer.timeout.connect(check)
+    timer.start(100)
+
+
+def _start_load(win, n: int, max_tokens: int = 96) -> None:
+    from app.load_generator import LoadConfig
+
+    lo = max(1, max_tokens // 6)
+    cfg = LoadConfig(concurrency=n, system_prompt_tokens=win.load_panel.system_tokens.value(),
+                     min_output_tokens=lo, max_output_tokens=max(lo, max_tokens))
+    lp = win.load_panel
+    lp.concurrency.setValue(n)
+    lp.min_out.setValue(cfg.min_output_tokens)
+    lp.max_out.setValue(cfg.max_output_tokens)
+    win.start_load(cfg)
+
+
+def _wait(app, pred, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        app.processEvents()
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
+
+def _screenshot(app, win, out: Path, args) -> int:
+    try:
+        if not _wait(app, lambda: win.state in ("ready", "busy", "disconnected"), args.timeout):
+            print("screenshot: the engine did not become ready in time", file=sys.stderr)
+        if win.state in ("ready", "busy"):
+            _wait(app, lambda: False, 1.0)  # let the telemetry subscription join first
+            chat = win.chat
+            if not chat.current.messages:
+                chat.input.setPlainText("In two sentences: what is a paged KV cache?")
+                chat.send_current()
+            if args.load:
+                _start_load(win, args.load, args.load_max_tokens)
+            _wait(app, lambda: False, args.settle)
+            reqs = win.history.latest.requests if win.history.latest else []
+            if chat.current is not None and chat.busy():
+                pass  # the conversation's own request is highlighted already
+            elif reqs:
+                win.block_map.highlight_request(reqs[0].request_id)
+        app.processEvents()
+        win.redraw_now()
+        app.processEvents()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ok = win.grab().save(str(out))
+        print(f"screenshot: {out} ({'ok' if ok else 'FAILED'}, engine {win.state})")
+        return 0 if ok else 1
+    finally:
+        win.shutdown()
+        win.close()
+
+
+def _measure(app, win, args) -> int:
+    from ui.latency import LatencyProbe
+
+    try:
+        if not _wait(app, lambda: win.state in ("ready", "busy"), args.timeout):
+            print("measure-latency: the engine did not become ready", file=sys.stderr)
+            return 1
+        # baseline: the same machine and window, engine connected, no load
+        probe = LatencyProbe()
+        probe.start()
+        _run_loop_for(app, 3.0)
+        probe.stop()
+        base = probe.result()
+        if args.load:
+            _start_load(win, args.load, args.load_max_tokens)
+        _wait(app, lambda: False, 2.0)  # let the load ramp up
+        probe = LatencyProbe()
+        for d in win.perf.values():
+            d.clear()
+        probe.start()
+        frames0 = win._frames_seen
+        cpu0 = time.process_time()
+        t0 = time.monotonic()
+        _run_loop_for(app, args.measure_latency)
+        probe.stop()
+        el = time.monotonic() - t0
+        cpu = (time.process_time() - cpu0) / el
+        r = probe.result()
+        hz = (win._frames_seen - frames0) / el
+        print(f"GUI event-loop latency over {el:.1f} s, load {args.load} chats, telemetry "
+              f"{hz:.1f} Hz received, redraw {args.refresh_hz:g} Hz:")
+        print(f"  under load: samples {r['n']}  p50 {r['p50']:.1f} ms  p90 {r['p90']:.1f} ms  "
+              f"p99 {r['p99']:.1f} ms  max {r['max']:.1f} ms  (target p99 < 50 ms)")
+        print(f"  idle baseline (3 s, no load): p50 {base['p50']:.1f} ms  p99 {base['p99']:.1f} ms"
+              f"  max {base['max']:.1f} ms")
+        import numpy as np
+
+        for name, d in win.perf.items():
+            if d:
+                a = np.asarray(d) * 1e3
+                print(f"  GUI handler '{name}': {len(a)} calls, mean {a.mean():.1f} ms, p99 "
+                      f"{np.percentile(a, 99):.1f} ms, busy {a.sum() / el / 10:.1f}% of the time")
+        print(f"  GUI process CPU: {cpu * 100:.0f}% of one core (all its threads); machine load "
+              f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        if win.load_panel.stats.text():
+            print(f"  load generator: {win.load_panel.stats.text()}")
+        return 0
+    finally:
+        win.shutdown()
+        win.close()
+
+
+def _run_loop_for(app, seconds: float) -> None:
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    loop = QEventLoop()
+    QTimer.singleShot(int(seconds * 1000), loop.quit)
+    loop.exec()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

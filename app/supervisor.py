@@ -1,0 +1,236 @@
+"""Spawn, watch and stop the engine process (plain Python; the GUI wraps the callbacks in signals).
+
+The engine is `python -m engine_proc serve ...` in its own process (so the GUI never imports
+torch). It reports on stdout:
+    KVSCOPE_PROGRESS <fraction> <message>      while loading
+    KVSCOPE_READY {"endpoint": ..., "pub_endpoint": ..., ...}   once serving
+Every other line (stdout and stderr) is kept in a ring buffer and an optional log file, so the GUI
+can show the last lines when the engine dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "KVSCOPE_READY"
+PROGRESS_PREFIX = "KVSCOPE_PROGRESS"
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """What the GUI passes to `python -m engine_proc serve` (None = the engine's default)."""
+
+    model: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    # The engine checks client silence only between steps, so one long CPU step could make it
+    # drop the GUI (and abort its requests); the GUI is its only client, so be patient.
+    client_timeout: float | None = 120.0
+    extra_args: list[str] = field(default_factory=list)
+
+    def to_args(self) -> list[str]:
+        args: list[str] = []
+        for flag, value in (("--model", self.model), ("--dtype", self.dtype),
+                            ("--device", self.device), ("--num-kv-blocks", self.num_kv_blocks),
+                            ("--max-model-len", self.max_model_len),
+                            ("--client-timeout", self.client_timeout)):
+            if value is not None:
+                args += [flag, str(value)]
+        return args + list(self.extra_args)
+
+
+def engine_command(options: EngineOptions, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "engine_proc", "serve", *options.to_args()]
+
+
+def parse_line(line: str) -> tuple[str, object]:
+    """('ready', dict) | ('progress', (fraction, message)) | ('log', line)."""
+    s = line.rstrip("\r\n")
+    if s.startswith(READY_PREFIX):
+        try:
+            info = json.loads(s[len(READY_PREFIX):].strip())
+        except json.JSONDecodeError:
+            return "log", s
+        if isinstance(info, dict) and "endpoint" in info:
+            return "ready", info
+        return "log", s
+    if s.startswith(PROGRESS_PREFIX):
+        parts = s[len(PROGRESS_PREFIX):].strip().split(" ", 1)
+        try:
+            frac = float(parts[0])
+        except (ValueError, IndexError):
+            return "log", s
+        return "progress", (min(max(frac, 0.0), 1.0), parts[1] if len(parts) > 1 else "")
+    return "log", s
+
+
+def _child_setup(nice: int) -> Callable[[], None]:
+    def setup() -> None:  # runs in the child between fork and exec (Linux only)
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphaned engine if the GUI dies
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        if nice:
+            try:
+                os.nice(nice)
+            except OSError:
+                pass
+
+    return setup
+
+
+class EngineSupervisor:
+    """One engine process. Callbacks run on the supervisor's reader threads."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        on_progress: Callable[[float, str], None] | None = None,
+        on_ready: Callable[[dict], None] | None = None,
+        on_exit: Callable[[int], None] | None = None,
+        on_log: Callable[[str], None] | None = None,
+        log_file: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        keep_lines: int = 400,
+        nice: int = 0,
+    ) -> None:
+        self.command = list(command)
+        self.on_progress = on_progress
+        self.on_ready = on_ready
+        self.on_exit = on_exit
+        self.on_log = on_log
+        self.log_file = Path(log_file) if log_file else None
+        self.env = env
+        self.nice = nice
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
+        self.ready_info: dict | None = None
+        self.proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._log_fh = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        assert self.proc is None, "start() once per supervisor"
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        # the engine must find our packages even when the GUI runs from a source checkout
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if self.log_file:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            self._log_fh = open(self.log_file, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+            self._log_fh.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                               f"{' '.join(self.command)}\n")
+        log.info("starting engine: %s", " ".join(self.command))
+        self.proc = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            env=env, text=True, encoding="utf-8", errors="replace", bufsize=1,
+            preexec_fn=_child_setup(self.nice) if sys.platform.startswith("linux") else None,
+        )
+        out = threading.Thread(target=self._read, args=(self.proc.stdout, True),
+                               name="engine-stdout", daemon=True)
+        err = threading.Thread(target=self._read, args=(self.proc.stderr, False),
+                               name="engine-stderr", daemon=True)
+        waiter = threading.Thread(target=self._wait, name="engine-wait", daemon=True)
+        self._threads = [out, err, waiter]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, stream, is_stdout: bool) -> None:
+        for line in stream:
+            kind, value = parse_line(line) if is_stdout else ("log", line.rstrip("\r\n"))
+            if kind == "ready":
+                assert isinstance(value, dict)
+                self.ready_info = value
+                self._keep(f"[ready] {json.dumps(value)}")
+                if self.on_ready:
+                    self.on_ready(value)
+            elif kind == "progress":
+                frac, msg = value  # type: ignore[misc]
+                if self.on_progress:
+                    self.on_progress(frac, msg)
+            else:
+                self._keep(str(value))
+
+    def _keep(self, line: str) -> None:
+        with self._lock:
+            self.lines.append(line)
+            if self._log_fh:
+                try:
+                    self._log_fh.write(line + "\n")
+                    self._log_fh.flush()
+                except (OSError, ValueError):
+                    pass
+        if self.on_log:
+            self.on_log(line)
+
+    def _wait(self) -> None:
+        assert self.proc is not None
+        code = self.proc.wait()
+        for t in self._threads[:2]:
+            t.join(timeout=2.0)  # the last lines explain the exit: read them first
+        self._keep(f"[engine exited with code {code}]")
+        with self._lock:
+            if self._log_fh:
+                self._log_fh.close()
+                self._log_fh = None
+        if self.on_exit:
+            self.on_exit(code)
+
+    def tail(self, n: int = 30) -> list[str]:
+        with self._lock:
+            return list(self.lines)[-n:]
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        self._stopping = True
+        p = self.proc
+        if p is None:
+            return None
+        if p.poll() is None:
+            try:
+                p.terminate()
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("engine did not stop within %.1f s: killing it", timeout)
+                p.kill()
+                p.wait(5.0)
+            except ProcessLookupError:
+                pass
+        return p.returncode
+
+    def kill(self) -> None:
+        """Hard kill (tests use it to simulate a crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping

@@ -1,0 +1,376 @@
+"""The KV block map: one cell per physical block, drawn by one ImageItem with a discrete LUT.
+
+Cell colour = block state: empty, cached-evictable, in use (one colour per owning request), shared
+(ref count > 1). Selecting a request dims every block it does not hold and lists its block table
+(logical -> physical). Hovering a cell shows block id, state, ref count, owners, filled slots and
+the short prefix hash.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, Qt, Signal
+from PySide6.QtGui import QCursor, QFont
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPlainTextEdit,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QToolTip,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ui import theme
+from ui.telemetry import BLOCK_CACHED, BLOCK_EMPTY, BLOCK_IN_USE, Frame
+
+# colour indices in the LUT
+GAP, EMPTY, CACHED, SHARED, REQ0 = 0, 1, 2, 3, 4
+NREQ = len(theme.REQUEST_COLOURS)
+DIM = 32  # index + DIM = the same colour, dimmed (not part of the selection)
+LUT_SIZE = 64
+CELL, PITCH = 6, 7  # pixels per cell, and per cell plus its gap (pools up to 4096 blocks)
+
+
+def cell_size(n: int) -> tuple[int, int]:
+    """(cell, pitch) in image pixels: big pools get smaller cells so a redraw stays cheap."""
+    if n <= 4096:
+        return CELL, PITCH
+    if n <= 65536:
+        return 2, 3
+    return 1, 1  # no gap: one pixel per block
+STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached (evictable)", BLOCK_IN_USE: "in use"}
+
+
+def _lut() -> np.ndarray:
+    base = [theme.BG, theme.EMPTY, theme.CACHED, theme.SHARED, *theme.REQUEST_COLOURS]
+    lut = np.zeros((LUT_SIZE, 4), np.uint8)
+    lut[:, 3] = 255
+    bg = np.array(theme.hex_rgb(theme.BG), float)
+    for i, h in enumerate(base):
+        rgb = np.array(theme.hex_rgb(h), float)
+        lut[i, :3] = rgb
+        lut[i + DIM, :3] = (0.25 * rgb + 0.75 * bg).astype(np.uint8)
+    lut[DIM + GAP, :3] = bg
+    return lut
+
+
+def grid_shape(n: int, aspect: float = 1.8) -> tuple[int, int]:
+    """(rows, cols) for n cells, about `aspect` times wider than tall."""
+    if n <= 0:
+        return 1, 1
+    cols = max(1, math.ceil(math.sqrt(n * aspect)))
+    return math.ceil(n / cols), cols
+
+
+class BlockMapWidget(QWidget):
+    request_selected = Signal(str)  # a request id, "" for none
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.frame: Frame | None = None
+        self.colour_index = np.zeros(0, np.uint8)  # per block, before dimming (for tests)
+        self.highlight_rid: str | None = None
+        self.highlight_blocks: set[int] = set()
+        self.remembered: dict[str, tuple[list[int], list[int]]] = {}
+        self._slots: dict[str, int] = {}  # request id -> palette slot
+        self._owners: dict[int, list[str]] = {}
+        self._shape = (1, 1)
+        self.cell, self.pitch = CELL, PITCH
+        self._dirty = False
+        self._rows: list[tuple[str, ...]] = []
+        self._table_time = 0.0
+        self._brushes = [pg.mkBrush(c) for c in theme.REQUEST_COLOURS]
+
+        self.view = pg.GraphicsLayoutWidget()
+        self.view.setMinimumSize(260, 160)
+        self.vb = self.view.addViewBox(lockAspect=True, invertY=True, enableMouse=False)
+        self.vb.setMenuEnabled(False)
+        self.image = pg.ImageItem(axisOrder="row-major")
+        self.image.setLookupTable(_lut())
+        self.vb.addItem(self.image)
+        self.view.scene().sigMouseMoved.connect(self._on_mouse_moved)
+        self.view.scene().sigMouseClicked.connect(self._on_mouse_clicked)
+
+        self.legend = QLabel()
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.setWordWrap(True)
+
+        self.table = QTableWidget(0, 6)
+        self.table.setHorizontalHeaderLabels(["request", "status", "prompt", "hit", "gen",
+                                              "blocks"])
+        self.table.horizontalHeaderItem(3).setToolTip("prompt tokens served by the prefix cache")
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.table.verticalHeader().setDefaultSectionSize(20)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        hdr = self.table.horizontalHeader()
+        # fixed widths: ResizeToContents re-measures every row on every cell change (slow)
+        hdr.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for i, width in enumerate((58, 50, 40, 40, 48), start=1):
+            hdr.setSectionResizeMode(i, QHeaderView.ResizeMode.Fixed)
+            hdr.resizeSection(i, width)
+        self.table.itemSelectionChanged.connect(self._on_table_selection)
+
+        self.block_table = QPlainTextEdit()
+        self.block_table.setReadOnly(True)
+        mono = QFont("monospace")
+        mono.setStyleHint(QFont.StyleHint.TypeWriter)
+        mono.setPointSize(9)
+        self.block_table.setFont(mono)
+        self.block_table.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        self.block_table.setPlaceholderText("Select a request or conversation to see its block "
+                                            "table (logical → physical).")
+
+        side = QSplitter(Qt.Orientation.Vertical)
+        side.addWidget(self.table)
+        side.addWidget(self.block_table)
+        side.setSizes([200, 120])
+        split = QSplitter(Qt.Orientation.Horizontal)
+        left = QWidget()
+        ll = QVBoxLayout(left)
+        ll.setContentsMargins(0, 0, 0, 0)
+        ll.addWidget(self.legend)
+        ll.addWidget(self.view, 1)
+        split.addWidget(left)
+        split.addWidget(side)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 2)
+        split.setSizes([600, 340])
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(2, 2, 2, 2)
+        lay.addWidget(split)
+        self._set_legend({})
+
+    # --- data in ----------------------------------------------------------------------------
+    def set_frame(self, frame: Frame, remembered: dict | None = None) -> None:
+        """Store the latest frame; drawing happens in `redraw` (called from the GUI timer)."""
+        self.frame = frame
+        if remembered is not None:
+            self.remembered = remembered
+        self._dirty = True
+
+    def highlight_request(self, rid: str | None) -> None:
+        self.highlight_rid = rid or None
+        self._dirty = True
+        self.redraw()
+
+    def clear(self) -> None:
+        self.frame = None
+        self.image.clear()
+        self.table.setRowCount(0)
+        self._rows = []
+        self.block_table.clear()
+
+    # --- drawing ----------------------------------------------------------------------------
+    def redraw(self) -> None:
+        if not self._dirty or self.frame is None:
+            return
+        self._dirty = False
+        f = self.frame
+        self._owners = f.owners()
+        self._assign_slots(f)
+        idx = np.full(f.num_blocks, EMPTY, np.uint8)
+        idx[f.state == BLOCK_CACHED] = CACHED
+        for b, rids in self._owners.items():
+            if 0 <= b < f.num_blocks:
+                idx[b] = REQ0 + self._slots.get(rids[0], 0)
+        idx[(f.state == BLOCK_IN_USE) & (f.ref_count > 1)] = SHARED
+        self.colour_index = idx
+        self.highlight_blocks = self._highlighted(f)
+        shown = idx.copy()
+        if self.highlight_rid is not None:
+            mask = np.ones(f.num_blocks, bool)
+            hb = [b for b in self.highlight_blocks if 0 <= b < f.num_blocks]
+            mask[hb] = False
+            shown[mask] += DIM
+        self._draw_cells(shown)
+        self._set_legend({
+            "empty": int(np.count_nonzero(f.state == BLOCK_EMPTY)),
+            "cached": int(np.count_nonzero(f.state == BLOCK_CACHED)),
+            "in use": int(np.count_nonzero(f.state == BLOCK_IN_USE)),
+            "shared": int(np.count_nonzero((f.state == BLOCK_IN_USE) & (f.ref_count > 1))),
+        })
+        self._fill_table(f)
+        self._fill_block_table(f)
+
+    def _draw_cells(self, idx: np.ndarray) -> None:
+        n = idx.shape[0]
+        rows, cols = grid_shape(n, self._aspect())
+        self.cell, self.pitch = cell_size(n)
+        pitch = self.pitch
+        if (rows, cols) != self._shape:
+            self._shape = (rows, cols)
+            self.vb.setRange(xRange=(0, cols * pitch), yRange=(0, rows * pitch), padding=0.02)
+        grid = np.full(rows * cols, GAP, np.uint8)
+        grid[:n] = idx
+        grid = grid.reshape(rows, cols)
+        img = np.full((rows, pitch, cols, pitch), GAP, np.uint8)
+        img[:, : self.cell, :, : self.cell] = grid[:, None, :, None]
+        self.image.setImage(img.reshape(rows * pitch, cols * pitch), autoLevels=False,
+                            levels=(0, LUT_SIZE))
+
+    def _aspect(self) -> float:
+        w, h = self.view.width(), self.view.height()
+        if w < 50 or h < 50:
+            return 1.8
+        return min(max(w / h, 0.5), 6.0)
+
+    def resizeEvent(self, ev) -> None:  # noqa: N802 - Qt name
+        super().resizeEvent(ev)
+        self._dirty = True  # the grid follows the widget's shape
+
+    def _assign_slots(self, f: Frame) -> None:
+        live = [r.request_id for r in f.requests if r.status != "finished"]
+        self._slots = {k: v for k, v in self._slots.items() if k in set(live)}
+        used = list(self._slots.values())
+        for rid in live:
+            if rid not in self._slots:
+                slot = min(range(NREQ), key=lambda s: (used.count(s), s))
+                self._slots[rid] = slot
+                used.append(slot)
+
+    def _highlighted(self, f: Frame) -> set[int]:
+        rid = self.highlight_rid
+        if rid is None:
+            return set()
+        for r in f.requests:
+            if r.request_id == rid:
+                return {b for b in r.block_table if b >= 0}
+        # finished: its blocks that still hold the same prefix hash (cached, reusable)
+        table, hashes = self.remembered.get(rid, ([], []))
+        return {b for b, h in zip(table, hashes, strict=False)
+                if h and 0 <= b < f.num_blocks and int(f.short_hash[b]) == h}
+
+    def _set_legend(self, counts: dict[str, int]) -> None:
+        items = [("empty", theme.EMPTY), ("cached", theme.CACHED),
+                 ("in use", theme.REQUEST_COLOURS[2]), ("shared", theme.SHARED)]
+        parts = []
+        for name, col in items:
+            n = counts.get(name)
+            label = f"{name} {n}" if n is not None else name
+            if name == "in use":
+                sw = "".join(f'<span style="color:{c}">■</span>' for c in theme.REQUEST_COLOURS[:4])
+            else:
+                sw = f'<span style="color:{col}">■</span>'
+            parts.append(f"{sw}&nbsp;{label}")
+        bs = f" &nbsp;·&nbsp; block = {self.frame.block_size} tokens" if self.frame else ""
+        self.legend.setText("&nbsp;&nbsp;&nbsp;".join(parts) + bs)
+
+    def _fill_table(self, f: Frame) -> None:
+        reqs = [r for r in f.requests if r.status != "finished"]
+        rows = [(r.request_id, r.status, str(r.num_prompt_tokens), str(r.num_cached_tokens),
+                 str(r.num_generated_tokens), str(len(r.block_table))) for r in reqs]
+        now = time.monotonic()
+        # each QTableWidgetItem.setText re-lays the table out: only changed cells, at most 4 Hz
+        if rows == self._rows or (now - self._table_time < 0.25 and
+                                  len(rows) == len(self._rows)):
+            return
+        self._table_time = now
+        self.table.blockSignals(True)
+        if len(rows) != len(self._rows):
+            self.table.setRowCount(len(rows))
+        for row, vals in enumerate(rows):
+            old = self._rows[row] if row < len(self._rows) else None
+            for col, v in enumerate(vals):
+                if old is not None and old[col] == v and self.table.item(row, col) is not None:
+                    continue
+                item = self.table.item(row, col)
+                if item is None:
+                    item = QTableWidgetItem()
+                    self.table.setItem(row, col, item)
+                item.setText(v)
+                if col == 0:
+                    slot = self._slots.get(v)
+                    if slot is not None:
+                        item.setForeground(self._brushes[slot])
+        self._rows = rows
+        ids = [r[0] for r in rows]
+        if self.highlight_rid in ids:
+            self.table.selectRow(ids.index(self.highlight_rid))
+        else:
+            self.table.clearSelection()
+        self.table.blockSignals(False)
+
+    def _fill_block_table(self, f: Frame) -> None:
+        rid = self.highlight_rid
+        if rid is None:
+            self.block_table.clear()
+            return
+        live = next((r for r in f.requests if r.request_id == rid), None)
+        if live is not None:
+            table, title = live.block_table, f"{rid} ({live.status})"
+        else:
+            table = sorted(self.highlight_blocks,
+                           key=lambda b: self.remembered.get(rid, ([], []))[0].index(b))
+            title = f"{rid} (finished: {len(table)} blocks still cached)"
+        lines = [title, "logical→physical  fill  ref  hash      state"]
+        for i, b in enumerate(table):
+            if 0 <= b < f.num_blocks:
+                st = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached",
+                      BLOCK_IN_USE: "in use"}.get(int(f.state[b]), "?")
+                if f.state[b] == BLOCK_IN_USE and f.ref_count[b] > 1:
+                    st = "shared"
+                lines.append(f"{i:5d} → {b:<8d}  {int(f.filled[b]):>2d}/{f.block_size:<2d}"
+                             f" {int(f.ref_count[b]):>3d}  {int(f.short_hash[b]):08x}  {st}")
+        text = "\n".join(lines)
+        if text != self.block_table.toPlainText():
+            self.block_table.setPlainText(text)
+
+    # --- interaction --------------------------------------------------------------------------
+    def block_at(self, scene_pos: QPointF) -> int | None:
+        if self.frame is None:
+            return None
+        p = self.image.mapFromScene(scene_pos)
+        x, y = p.x(), p.y()
+        if x < 0 or y < 0:
+            return None
+        col, row = int(x // self.pitch), int(y // self.pitch)
+        rows, cols = self._shape
+        if col >= cols or row >= rows:
+            return None
+        b = row * cols + col
+        return b if b < self.frame.num_blocks else None
+
+    def tooltip_text(self, b: int) -> str:
+        f = self.frame
+        assert f is not None and 0 <= b < f.num_blocks
+        state = STATE_NAMES.get(int(f.state[b]), "?")
+        if f.state[b] == BLOCK_IN_USE and f.ref_count[b] > 1:
+            state = "shared"
+        owners = self._owners.get(b, [])
+        h = int(f.short_hash[b])
+        return (f"block {b}\nstate: {state}\nref count: {int(f.ref_count[b])}\n"
+                f"owners: {', '.join(owners) if owners else '—'}\n"
+                f"filled: {int(f.filled[b])}/{f.block_size} slots\n"
+                f"hash: {f'{h:08x}' if h else '—'}")
+
+    def _on_mouse_moved(self, pos: QPointF) -> None:
+        b = self.block_at(pos)
+        if b is None:
+            QToolTip.hideText()
+            return
+        QToolTip.showText(QCursor.pos(), self.tooltip_text(b), self.view)
+
+    def _on_mouse_clicked(self, ev) -> None:
+        b = self.block_at(ev.scenePos())
+        owners = self._owners.get(b, []) if b is not None else []
+        rid = owners[0] if owners else ""
+        self.highlight_request(rid or None)
+        self.request_selected.emit(rid)
+
+    def _on_table_selection(self) -> None:
+        rows = self.table.selectionModel().selectedRows()
+        rid = self.table.item(rows[0].row(), 0).text() if rows else ""
+        self.highlight_request(rid or None)
+        self.request_selected.emit(rid)

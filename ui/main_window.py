@@ -1,0 +1,539 @@
+"""The main window: chat on the left; block map, charts and controls on the right; engine state in
+the status bar; an error banner with the engine's last log lines and Restart when it fails.
+
+Engine lifecycle: `EngineSource` says whether we spawn the engine (through app.supervisor) or
+attach to one (`--connect`). Either way one `EngineLink` worker thread carries all ZeroMQ traffic.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QFont
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.conversations import ConversationStore
+from app.load_generator import LoadConfig
+from app.settings import load_sampling, save_sampling
+from app.supervisor import EngineOptions, EngineSupervisor, engine_command
+from ui import theme
+from ui.block_map import BlockMapWidget
+from ui.charts import ChartsWidget
+from ui.chat_panel import ChatPanel
+from ui.controls import ControlsPanel, LoadPanel
+from ui.engine_link import EngineLink
+from ui.telemetry import Frame, History
+
+log = logging.getLogger(__name__)
+
+STATE_COLOURS = {
+    "starting": "#8a909c", "loading": "#f5a623", "ready": "#3cb44b", "busy": "#42d4f4",
+    "not answering": "#f58231", "disconnected": "#e6194b", "stopped": "#8a909c",
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "fp8": 1, "int8": 1}
+
+
+@dataclass(slots=True)
+class EngineSource:
+    connect: str | None = None  # attach to this endpoint instead of spawning
+    options: EngineOptions = field(default_factory=EngineOptions)
+    command: list[str] | None = None  # full engine command (tests); default engine_command()
+    token: str | None = None
+    stall_timeout: float = 30.0  # one CPU step under load can take seconds
+    # the spawned engine runs at a lower CPU priority so that, when the cores are contended
+    # (CPU inference), the window stays responsive; 0 = same priority as the GUI
+    engine_nice: int = 5
+
+
+class _SupervisorBridge(QObject):
+    """Supervisor callbacks arrive on its reader threads; signals carry them to the GUI thread."""
+
+    progress = Signal(float, str)
+    ready = Signal(dict)
+    exited = Signal(int)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def kv_formula(model: object) -> str:
+    """'KV/token 2·L·H_kv·D·bytes = 2·30·3·64·4 = 46,080 B'."""
+    L, H, D = model.num_layers, model.num_kv_heads, model.head_dim  # noqa: N806
+    b = DTYPE_BYTES.get(str(model.dtype).replace("torch.", ""))
+    if b is None:
+        return f"KV/token {model.kv_bytes_per_token:,} B"
+    return f"KV/token 2·L·H_kv·D·bytes = 2·{L}·{H}·{D}·{b} = {model.kv_bytes_per_token:,} B"
+
+
+class MainWindow(QMainWindow):
+    state_changed = Signal(str)
+
+    def __init__(self, settings, store: ConversationStore, source: EngineSource, *,
+                 refresh_hz: float = 10.0, data_dir=None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.source = source
+        self.data_dir = data_dir
+        self.history = History()
+        self.state = "starting"
+        self.link: EngineLink | None = None
+        self.supervisor: EngineSupervisor | None = None
+        self.welcome = None
+        self.last_error = ""
+        self._closing = False
+        self._restarts = 0
+        self._frames_seen = 0
+        self._bridge: _SupervisorBridge | None = None
+        # seconds spent in the GUI thread's own handlers (the latency benchmark reports them)
+        self.perf: dict[str, collections.deque[float]] = {
+            k: collections.deque(maxlen=10_000) for k in ("refresh", "frames", "replies")}
+        self.setWindowTitle("KVScope")
+
+        self.chat = ChatPanel(store, load_sampling(settings))
+        self.block_map = BlockMapWidget()
+        self.charts = ChartsWidget()
+        self.controls = ControlsPanel()
+        self.load_panel = LoadPanel()
+        self._build_layout()
+        self._build_status_bar()
+
+        self.chat.submit.connect(self._on_submit)
+        self.chat.abort.connect(lambda rid: self.link and self.link.abort(rid))
+        self.chat.conversation_selected.connect(self._on_conversation_selected)
+        self.block_map.request_selected.connect(self._on_block_request_selected)
+        self.controls.control.connect(self._on_control)
+        self.load_panel.start.connect(self.start_load)
+        self.load_panel.stop.connect(lambda: self.link and self.link.stop_load())
+
+        # charts and block map redraw on alternate ticks: each at refresh_hz, and no single
+        # event does both (shorter events = lower event-loop latency)
+        self._tick = 0
+        self.timer = QTimer(self)
+        self.timer.setInterval(max(1, int(500 / refresh_hz)))
+        self.timer.timeout.connect(self._refresh)
+        self.timer.start()
+        self._restore_geometry()
+
+    # --- layout ----------------------------------------------------------------------------
+    def _build_layout(self) -> None:
+        self.banner = QFrame()
+        self.banner.setObjectName("banner")
+        self.banner.setStyleSheet("QFrame#banner { background: #4a1f24; border-radius: 4px; }")
+        bl = QVBoxLayout(self.banner)
+        bl.setContentsMargins(8, 6, 8, 6)
+        row = QHBoxLayout()
+        self.banner_text = QLabel()
+        self.banner_text.setWordWrap(True)
+        self.banner_text.setStyleSheet("color: #ffd6d6; font-weight: bold;")
+        self.restart_btn = QPushButton("Restart engine")
+        self.restart_btn.clicked.connect(self.restart_engine)
+        self.log_btn = QPushButton("Show log")
+        self.log_btn.setCheckable(True)
+        row.addWidget(self.banner_text, 1)
+        row.addWidget(self.log_btn)
+        row.addWidget(self.restart_btn)
+        bl.addLayout(row)
+        self.banner_log = QPlainTextEdit()
+        self.banner_log.setReadOnly(True)
+        f = QFont("monospace")
+        f.setStyleHint(QFont.StyleHint.TypeWriter)
+        f.setPointSize(8)
+        self.banner_log.setFont(f)
+        self.banner_log.setMaximumHeight(160)
+        self.banner_log.setVisible(False)
+        self.log_btn.toggled.connect(self.banner_log.setVisible)
+        bl.addWidget(self.banner_log)
+        self.banner.setVisible(False)
+
+        bottom = QWidget()
+        bot = QHBoxLayout(bottom)
+        bot.setContentsMargins(0, 0, 0, 0)
+        bot.addWidget(self.controls, 3)
+        bot.addWidget(self.load_panel, 2)
+
+        right = QSplitter(Qt.Orientation.Vertical)
+        right.addWidget(self.block_map)
+        right.addWidget(self.charts)
+        right.addWidget(bottom)
+        right.setStretchFactor(0, 3)
+        right.setStretchFactor(1, 4)
+        right.setStretchFactor(2, 0)
+        right.setSizes([330, 430, 150])
+        self.right_split = right
+
+        main = QSplitter(Qt.Orientation.Horizontal)
+        main.addWidget(self.chat)
+        main.addWidget(right)
+        main.setStretchFactor(0, 2)
+        main.setStretchFactor(1, 3)
+        main.setSizes([640, 960])
+        self.main_split = main
+
+        central = QWidget()
+        cl = QVBoxLayout(central)
+        cl.setContentsMargins(4, 4, 4, 0)
+        cl.addWidget(self.banner)
+        cl.addWidget(main, 1)
+        self.setCentralWidget(central)
+
+    def _build_status_bar(self) -> None:
+        sb = self.statusBar()
+        self.state_label = QLabel()
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(180)
+        self.progress.setRange(0, 100)
+        self.progress.setVisible(False)
+        self.progress_text = QLabel()
+        self.model_label = QLabel()
+        self.kv_label = QLabel()
+        self.kv_label.setStyleSheet(f"color: {theme.MUTED};")
+        sb.addWidget(self.state_label)
+        sb.addWidget(self.progress)
+        sb.addWidget(self.progress_text)
+        sb.addWidget(self.model_label)
+        sb.addPermanentWidget(self.kv_label)
+        self._set_state("starting")
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        self.state = state
+        col = STATE_COLOURS.get(state, theme.TEXT)
+        self.state_label.setText(f'<b style="color:{col}">● {state}</b>'
+                                 + (f" {detail}" if detail else ""))
+        self.state_changed.emit(state)
+
+    def _show_model(self, w) -> None:
+        m = w.model
+        self.model_label.setText(f"{m.name} · {m.architecture} · {m.device} · {m.dtype}")
+        total = m.num_blocks * m.block_size * m.kv_bytes_per_token
+        self.kv_label.setText(
+            f"{m.num_blocks:,} blocks × {m.block_size} tokens · {kv_formula(m)} · "
+            f"KV pool {human_bytes(total)} · max len {m.max_model_len:,}")
+
+    # --- engine lifecycle -------------------------------------------------------------------
+    def start_engine(self) -> None:
+        self.banner.setVisible(False)
+        self.chat.set_engine_ready(False, "starting the engine…")
+        if self.source.connect:
+            self._set_state("starting", f"connecting to {self.source.connect}")
+            self._open_link(self.source.connect)
+            return
+        self._set_state("loading")
+        self.progress.setVisible(True)
+        self.progress.setValue(0)
+        bridge = _SupervisorBridge()
+        bridge.progress.connect(self._on_progress)
+        bridge.ready.connect(self._on_engine_ready)
+        bridge.exited.connect(self._on_engine_exited)
+        self._bridge = bridge
+        cmd = self.source.command or engine_command(self.source.options)
+        log_file = (self.data_dir / "engine.log") if self.data_dir else None
+        sup = EngineSupervisor(
+            cmd,
+            on_progress=lambda f, m, b=bridge: b.progress.emit(f, m),
+            on_ready=lambda info, b=bridge: b.ready.emit(info),
+            on_exit=lambda code, b=bridge: b.exited.emit(code),
+            log_file=log_file,
+            nice=self.source.engine_nice,
+        )
+        self.supervisor = sup
+        try:
+            sup.start()
+        except OSError as exc:
+            self._fail(f"could not start the engine: {exc}")
+
+    def _on_progress(self, frac: float, msg: str) -> None:
+        if self.sender() is not self._bridge:
+            return  # a previous engine's late line
+        self.progress.setVisible(True)
+        self.progress.setValue(int(frac * 100))
+        self.progress_text.setText(msg)
+        self.chat.set_engine_ready(False, f"loading the engine: {msg} ({frac * 100:.0f}%)")
+
+    def _on_engine_ready(self, info: dict) -> None:
+        if self.sender() is not self._bridge:
+            return
+        self.progress_text.setText("connecting…")
+        self._open_link(info["endpoint"])
+
+    def _open_link(self, endpoint: str) -> None:
+        if endpoint.startswith("demo:"):
+            from ui.demo import DemoLink
+
+            link = DemoLink()
+        else:
+            link = EngineLink(endpoint, token=self.source.token,
+                              stall_timeout=self.source.stall_timeout)
+        link.connected.connect(self._on_connected)
+        link.connect_failed.connect(lambda why: self._fail(f"could not connect: {why}"))
+        link.replies.connect(self._on_replies)
+        link.frames.connect(self._on_frames)
+        link.control_reply.connect(self._on_control_reply)
+        link.load_stats.connect(self.load_panel.show_stats)
+        link.stalled.connect(self._on_stalled)
+        link.recovered.connect(self._on_recovered)
+        link.goodbye.connect(self._on_goodbye)
+        self.link = link
+        link.start()
+
+    def _on_connected(self, welcome) -> None:
+        if self.sender() is not self.link:
+            return
+        self.welcome = welcome
+        self.progress.setVisible(False)
+        self.progress_text.setText("")
+        self._show_model(welcome)
+        self.controls.setEnabled(True)
+        self.controls.show_config(_cfg_dict(welcome.config))
+        self.load_panel.setEnabled(True)
+        self.chat.set_engine_ready(True)
+        self.banner.setVisible(False)
+        self._set_state("ready")
+
+    def _on_replies(self, msgs: list) -> None:
+        t0 = time.perf_counter()
+        self.chat.on_replies(msgs)
+        self.perf["replies"].append(time.perf_counter() - t0)
+
+    def _on_frames(self, frames: list[Frame]) -> None:
+        if self.sender() is not self.link:
+            return
+        t0 = time.perf_counter()
+        self._take_frames(frames)
+        self.perf["frames"].append(time.perf_counter() - t0)
+
+    def _take_frames(self, frames: list[Frame]) -> None:
+        for f in frames:
+            self.history.add(f)
+        self._frames_seen += len(frames)
+        last = frames[-1]
+        self.block_map.set_frame(last, self.history.last_tables)
+        self.controls.show_config(last.config)
+        if self.state in ("ready", "busy"):
+            running = last.counters.get("num_requests_running", 0)
+            waiting = last.counters.get("num_requests_waiting", 0)
+            self._set_state("busy" if running or waiting else "ready",
+                            f"{running:.0f} running, {waiting:.0f} waiting" if running or waiting
+                            else "")
+
+    def _refresh(self) -> None:
+        t0 = time.perf_counter()
+        self._tick += 1
+        if self._tick % 2:
+            self.charts.refresh(self.history)
+        else:
+            self.block_map.redraw()
+        self.perf["refresh"].append(time.perf_counter() - t0)
+
+    def redraw_now(self) -> None:
+        """Both panels at once (screenshots)."""
+        self.charts.refresh(self.history)
+        self.block_map._dirty = True
+        self.block_map.redraw()
+
+    def _on_exit_guard(self) -> bool:
+        return self._closing or (self.supervisor is not None and self.supervisor.stopping)
+
+    def _on_engine_exited(self, code: int) -> None:
+        if self.sender() is not self._bridge or self._on_exit_guard():
+            return
+        self._fail(f"the engine exited with code {code}")
+
+    def _on_stalled(self, why: str) -> None:
+        if self.sender() is not self.link:
+            return
+        if self.supervisor is not None and not self.supervisor.running():
+            return  # the exit handler says it better
+        self._set_state("not answering", why)
+        self._show_banner(f"The engine is not answering ({why}). It may be busy with a long "
+                          "step; Restart stops it and starts a new one.")
+        if self.supervisor is None:  # attached: nobody will tell us it died, so give up later
+            link = self.link
+            QTimer.singleShot(int(self.source.stall_timeout * 1000),
+                              lambda: self._give_up_on(link))
+
+    def _give_up_on(self, link) -> None:
+        if link is self.link and self.state == "not answering":
+            self._fail("the engine stopped answering")
+
+    def _on_recovered(self) -> None:
+        if self.sender() is not self.link or self.state != "not answering":
+            return
+        self.banner.setVisible(False)
+        self._set_state("ready")
+
+    def _on_goodbye(self, reason: str) -> None:
+        if self.sender() is not self.link or self._on_exit_guard():
+            return
+        self._fail(f"the engine shut down: {reason}")
+
+    def _fail(self, why: str) -> None:
+        """The engine is gone: stay responsive, keep every reply, offer Restart."""
+        self.last_error = why
+        log.warning("engine failure: %s", why)
+        self.chat.interrupt_all("interrupted: engine stopped")
+        self.chat.set_engine_ready(False, "engine unavailable: your messages are saved")
+        self.controls.setEnabled(False)
+        self.load_panel.set_running(False)
+        self.load_panel.setEnabled(False)
+        self.progress.setVisible(False)
+        self.progress_text.setText("")
+        if self.link is not None:
+            self.link.stop(timeout=1.0)
+            self.link = None
+        self._set_state("disconnected", why)
+        self._show_banner(f"Engine failure: {why}.")
+
+    def _show_banner(self, text: str) -> None:
+        tail = self.supervisor.tail(40) if self.supervisor else []
+        self.banner_text.setText(text + (" Last lines of its log below." if tail else ""))
+        self.banner_log.setPlainText("\n".join(tail) if tail else "(no engine log: attached "
+                                     "with --connect)")
+        self.banner_log.setVisible(bool(tail))
+        self.log_btn.setChecked(bool(tail))
+        self.banner.setVisible(True)
+
+    def restart_engine(self) -> None:
+        self._restarts += 1
+        self.chat.interrupt_all("interrupted: engine restarted")
+        if self.link is not None:
+            self.link.stop(timeout=1.0)
+            self.link = None
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout=3.0)
+            self.supervisor = None
+        self._bridge = None
+        self.history.clear()
+        self.charts.clear()
+        self.block_map.clear()
+        self.load_panel.set_running(False)
+        self.start_engine()
+
+    # --- requests and controls --------------------------------------------------------------
+    def _on_submit(self, rid: str, messages: list, sampling: dict) -> None:
+        if self.link is None:
+            self.chat.interrupt_all("no engine")
+            return
+        self.link.generate(rid, messages, sampling)
+
+    def _on_conversation_selected(self, conv_id: str, rid: str) -> None:
+        self.block_map.highlight_request(rid or None)
+
+    def _on_block_request_selected(self, rid: str) -> None:
+        """A request picked in the block map: show its conversation when it is one of ours."""
+        for conv_id, last in self.chat.last_request.items():
+            if last == rid and (self.chat.current is None or self.chat.current.id != conv_id):
+                self.chat.conversation_selected.disconnect(self._on_conversation_selected)
+                try:
+                    self.chat.select_conversation(conv_id)
+                finally:
+                    self.chat.conversation_selected.connect(self._on_conversation_selected)
+                break
+
+    def _on_control(self, op: str, fields: dict) -> None:
+        if self.link is not None:
+            self.link.control(op, **fields)
+
+    def _on_control_reply(self, msg) -> None:
+        if type(msg).__name__ == "ControlAck":
+            self.controls.show_config(_cfg_dict(msg.config))
+            extra = ""
+            if msg.op == "reset_prefix_cache":
+                extra = ": flushed" if msg.result else ": nothing to flush (blocks in use)"
+            self.controls.show_result(f"{msg.op} ok{extra}")
+        else:
+            self.controls.show_result(f"{msg.code}: {msg.message}", error=True)
+
+    def start_load(self, config: LoadConfig) -> None:
+        if self.link is not None:
+            self.load_panel.set_running(True)
+            self.link.start_load(config)
+
+    # --- settings and shutdown --------------------------------------------------------------
+    def _restore_geometry(self) -> None:
+        lp = self.load_panel
+        for key, box in (("concurrency", lp.concurrency), ("system_tokens", lp.system_tokens),
+                         ("min_out", lp.min_out), ("max_out", lp.max_out)):
+            try:
+                box.setValue(int(self.settings.value(f"load/{key}", box.value())))
+            except (TypeError, ValueError):
+                pass
+        geo = self.settings.value("window/geometry")
+        if geo is not None:
+            self.restoreGeometry(geo)
+        else:
+            self.resize(1600, 1000)
+        for key, split in (("window/main_split", self.main_split),
+                           ("window/right_split", self.right_split)):
+            state = self.settings.value(key)
+            if state is not None:
+                split.restoreState(state)
+
+    def save_settings(self) -> None:
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        self.settings.setValue("window/main_split", self.main_split.saveState())
+        self.settings.setValue("window/right_split", self.right_split.saveState())
+        save_sampling(self.settings, self.chat.sampling())
+        lp = self.load_panel
+        for key, box in (("concurrency", lp.concurrency), ("system_tokens", lp.system_tokens),
+                         ("min_out", lp.min_out), ("max_out", lp.max_out)):
+            self.settings.setValue(f"load/{key}", box.value())
+        if self.chat.current is not None:
+            self.settings.setValue("chat/current", self.chat.current.id)
+        self.settings.sync()
+
+    def shutdown(self) -> None:
+        """Save everything, close the link, stop a spawned engine. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self.timer.stop()
+        self.chat.shutdown()
+        self.save_settings()
+        if self.link is not None:
+            self.link.stop(timeout=2.0)
+            self.link = None
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout=5.0)
+        self._set_state("stopped")
+
+    def closeEvent(self, ev: QCloseEvent) -> None:  # noqa: N802 - Qt name
+        self.shutdown()
+        super().closeEvent(ev)
+
+
+def _cfg_dict(cfg) -> dict:
+    fields = getattr(cfg, "__struct_fields__", None)
+    return {k: getattr(cfg, k) for k in fields} if fields else dict(cfg)
+
+
+def wait_until(pred, timeout: float, app) -> bool:
+    """Spin the event loop until `pred()` or `timeout` seconds (CLI helpers, not tests)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        app.processEvents()
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
+
