@@ -52,17 +52,6 @@ def hf_default_model():
 
 @pytest.fixture(scope="session")
 def hf_greedy(hf_default_model):
-    import torch
+    from tests.engine_fixtures import greedy_reference
 
-    def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        out = hf_default_model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=2,
-            pad_token_id=2,
-        )
-        return out[0, len(prompt_ids) :].tolist()
-
-    return run
+    return greedy_reference(hf_default_model)

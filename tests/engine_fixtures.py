@@ -4,6 +4,7 @@ exercise scheduling and caching rather than a real vocabulary."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -80,3 +81,20 @@ def tiny_checkpoint(**kwargs: int) -> SimpleNamespace:
 def tiny_engine(model_kwargs: dict | None = None, **config: object) -> LLMEngine:
     config.setdefault("num_kv_blocks", 256)
     return LLMEngine(EngineConfig(**config), checkpoint=tiny_checkpoint(**(model_kwargs or {})))
+
+
+def greedy_reference(model) -> Callable[[list[int], int], list[int]]:
+    """transformers' greedy generate() of a model, as a function of prompt ids."""
+
+    def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+        return out[0, len(prompt_ids) :].tolist()
+
+    return run

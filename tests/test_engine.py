@@ -6,10 +6,10 @@ default model itself."""
 import random
 
 import pytest
-import torch
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.telemetry_types import BLOCK_CACHED, BLOCK_IN_USE
+from tests.engine_fixtures import greedy_reference
 from tests.tiny_models import hf_reference_model, tiny_model_dir
 
 
@@ -31,20 +31,7 @@ def default_engine_factory(tiny_path):
 
 @pytest.fixture(scope="module")
 def hf_greedy(tiny_path):
-    model = hf_reference_model(tiny_path)
-
-    def run(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=2,
-            pad_token_id=2,
-        )
-        return out[0, len(prompt_ids) :].tolist()
-
-    return run
+    return greedy_reference(hf_reference_model(tiny_path))
 
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
