@@ -9,8 +9,8 @@ sequence, read through block_tables[s] (padded with -1, which kernels must never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +25,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]  # host copies, so the reference path never syncs a device
     seq_lens_cpu: list[int]
+    # What a backend derives from this metadata, computed at its first layer and reused by
+    # every other layer of the step.
+    backend_plan: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -2,15 +2,41 @@
 
 Decode tokens (query length 1) of all sequences are served by one batched call over K/V gathered
 through the block tables; each prompt chunk gets its own call with a causal mask offset by its
-cached context.
+cached context. Index tensors and masks are built once per step (the plan) and reused by every
+layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine_proc.attention.base import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _Prefill:
+    start: int  # first token of the chunk in the flat batch
+    q_len: int
+    blocks: torch.Tensor  # the sequence's blocks covering its context
+    seq_len: int
+    mask: torch.Tensor | None  # None: a fresh prompt, plain causal
+
+
+@dataclass(slots=True)
+class _Decode:
+    token_idx: torch.Tensor  # [B] rows of the flat batch
+    tables: torch.Tensor  # [B, blocks] with -1 clamped to 0 (masked below)
+    max_len: int
+    mask: torch.Tensor  # [B, 1, 1, max_len]
+
+
+@dataclass(slots=True)
+class _Plan:
+    prefills: list[_Prefill]
+    decode: _Decode | None
 
 
 class TorchAttentionBackend:
@@ -41,86 +67,77 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        plan = meta.backend_plan.get(self.name)
+        if plan is None:
+            plan = meta.backend_plan[self.name] = _make_plan(meta, k_cache.shape[1], query.device)
         out = torch.empty_like(query)
-        decode_rows: list[int] = []
-        start = 0
-        for s, (q_len, seq_len) in enumerate(
-            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
-        ):
-            if q_len == 1:
-                decode_rows.append(s)
-            else:
-                table = meta.block_tables[s]
-                k, v = _gather(k_cache, v_cache, table, seq_len)
-                out[start : start + q_len] = _attend(
-                    query[start : start + q_len], k, v, seq_len, scale
-                )
-            start += q_len
-        if decode_rows:
-            self._decode(query, k_cache, v_cache, meta, scale, decode_rows, out)
+        for p in plan.prefills:
+            k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            q = query[p.start : p.start + p.q_len]
+            out[p.start : p.start + p.q_len] = _attend(q, k, v, p.mask, scale)
+        if plan.decode is not None:
+            d = plan.decode
+            k = k_cache[d.tables].flatten(1, 2)[:, : d.max_len]  # [B, S, H_kv, D]
+            v = v_cache[d.tables].flatten(1, 2)[:, : d.max_len]
+            o = F.scaled_dot_product_attention(
+                query[d.token_idx].unsqueeze(2),  # [B, H, 1, D]
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=d.mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[d.token_idx] = o.squeeze(2)
         return out
 
-    def _decode(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        rows: list[int],
-        out: torch.Tensor,
-    ) -> None:
-        # One padded batch for all decode tokens: [B, H, 1, D] against [B, H_kv, S_max, D].
-        block_size = k_cache.shape[1]
-        seq_lens = [meta.seq_lens_cpu[s] for s in rows]
-        max_len = max(seq_lens)
-        num_blocks = -(-max_len // block_size)
-        rows_t = torch.tensor(rows, device=query.device)
-        tables = meta.block_tables[rows_t, :num_blocks].clamp(min=0)  # -1 padding masked below
-        k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, S, H_kv, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len]
-        token_idx = meta.query_start_loc[rows_t + 1].long() - 1
-        q = query[token_idx].unsqueeze(2)  # [B, H, 1, D]
-        lens = torch.tensor(seq_lens, device=query.device)
-        mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]
-        o = F.scaled_dot_product_attention(
-            q,
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[token_idx] = o.squeeze(2)
+
+def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    prefills: list[_Prefill] = []
+    decode_rows: list[int] = []
+    start = 0
+    for s, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        if q_len == 1:
+            decode_rows.append(s)
+        else:
+            blocks = meta.block_tables[s, : -(-seq_len // block_size)]
+            context = seq_len - q_len
+            mask = None
+            if context:
+                q_pos = torch.arange(context, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            prefills.append(_Prefill(start, q_len, blocks, seq_len, mask))
+        start += q_len
+    return _Plan(prefills, _decode_plan(meta, decode_rows, block_size, device))
 
 
-def _gather(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    block_size = k_cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = table[:num_blocks]
-    assert bool((blocks >= 0).all()), "block table has -1 inside the sequence's context"
-    k = k_cache[blocks].flatten(0, 1)[:seq_len]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len]
-    return k, v
+def _decode_plan(
+    meta: AttentionMetadata, rows: list[int], block_size: int, device: torch.device
+) -> _Decode | None:
+    if not rows:
+        return None
+    seq_lens = [meta.seq_lens_cpu[s] for s in rows]
+    max_len = max(seq_lens)
+    rows_t = torch.tensor(rows, device=device)
+    tables = meta.block_tables[rows_t, : -(-max_len // block_size)].clamp(min=0)
+    lens = torch.tensor(seq_lens, device=device)
+    mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+    token_idx = meta.query_start_loc[rows_t + 1].long() - 1
+    return _Decode(token_idx, tables, max_len, mask[:, None, None, :])
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    # q: [Q, H, D] are the last Q positions of a sequence of seq_len; k, v: [S, H_kv, D].
-    q_len = q.shape[0]
-    context = seq_len - q_len
-    q_pos = torch.arange(context, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    # q: [Q, H, D], the last Q positions of the sequence; k, v: [S, H_kv, D]. 4-D inputs: torch's
+    # fused CPU attention kernel only takes those (3-D falls back to a far slower path).
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=None if context == 0 else mask,
-        is_causal=context == 0,
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )
-    return o.transpose(0, 1)
+    return o.squeeze(0).transpose(0, 1)

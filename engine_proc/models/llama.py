@@ -52,20 +52,22 @@ class RotaryEmbedding:
         inv_freq = rope_inv_freq(config)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        emb = torch.cat((freqs, freqs), dim=-1)  # full head_dim, as rotate_half wants
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows of this step's positions: gathered once, used by every layer."""
+        """cos/sin rows of this step's positions, [T, 1, head_dim], gathered once per step."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, heads, head_dim]; rotate_half layout (the HF convention).
-        xf = x.float()
+        # x: [tokens, heads, head_dim]; rotate_half layout, the same float32 arithmetic as
+        # transformers (x * cos + rotate_half(x) * sin), so float32 logits agree.
+        xf = x if x.dtype == torch.float32 else x.float()
         x1, x2 = xf.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        out = xf * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class LlamaLayer:
@@ -93,6 +95,8 @@ class LlamaLayer:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -134,13 +138,15 @@ class LlamaModel:
         cfg = self.config
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
+        qk_heads = cfg.num_heads + cfg.num_kv_heads
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rotary.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self.rotary.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            # One rotary pass over q and k together (they are adjacent columns of qkv).
+            qk = qkv[:, : self.q_size + self.kv_size].view(-1, qk_heads, cfg.head_dim)
+            qk = self.rotary.apply(qk, cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
             backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn.reshape(-1, self.q_size), layer.o_weight)
