@@ -381,11 +381,12 @@ class LLMEngine:
         final: dict[tuple[str, int], RequestOutput] = {}
         pending = set(ids)
         while pending:
-            for out in self.step():
-                if out.finished:
+            for out in self.step():  # other callers' requests may share these steps
+                if out.finished and out.request_id in pending:
                     final[(out.request_id, out.index)] = out
             pending = {r for r in pending if r in self.requests}
-        return [final[key] for key in sorted(final, key=lambda k: (ids.index(k[0]), k[1]))]
+        order = {rid: i for i, rid in enumerate(ids)}
+        return [final[key] for key in sorted(final, key=lambda k: (order[k[0]], k[1]))]
 
     # ----------------------------------------------------------------- live control and state
     def live_config(self) -> dict[str, int | bool]:

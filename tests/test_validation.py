@@ -1,0 +1,98 @@
+"""Bad input gets a ValueError naming the field and what is allowed, and the engine keeps
+serving everyone else."""
+
+import pytest
+
+from engine_proc import EngineConfig, LLMEngine, SamplingParams
+from engine_proc.model_loader import SUPPORTED_ARCHITECTURES
+from tests.engine_fixtures import tiny_engine
+
+
+@pytest.fixture
+def engine():
+    return tiny_engine(num_kv_blocks=64, block_size=4)  # context limit 256 tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "allowed"),
+    [
+        ({"max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"temperature": -0.1}, "temperature", ">= 0"),
+        ({"top_p": 0.0}, "top_p", "(0, 1]"),
+        ({"top_p": 1.5}, "top_p", "(0, 1]"),
+        ({"top_k": -1}, "top_k", ">= 0"),
+        ({"n": 0}, "n", ">= 1"),
+        ({"seed": -3}, "seed", "[0, 2**63)"),
+        ({"stop": [""]}, "stop", "non-empty"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field, allowed):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert field in str(err.value) and allowed in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [
+        ("", "prompt must not be empty"),
+        ([], "prompt"),
+        ([1] * 300, "shorter than the context limit of 256"),
+        ([5, 128], "[0, 128)"),
+        ([-1], "[0, 128)"),
+        (12, "prompt must be"),
+    ],
+)
+def test_bad_prompts_are_refused_and_others_keep_running(engine, prompt, needle):
+    engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError) as err:
+        engine.add_request("bad", prompt, SamplingParams())
+    assert needle in str(err.value)
+    assert not engine.is_active("bad")
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, len(o.token_ids)) for o in finals] == [("good", 4)]
+    assert engine.kv.pool.num_free == engine.num_blocks
+
+
+def test_request_ids_and_limits(engine):
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [3, 4], SamplingParams())
+    with pytest.raises(ValueError, match="not an active request"):
+        engine.abort_request("nobody")
+    for field in ("max_num_seqs", "max_num_batched_tokens"):
+        with pytest.raises(ValueError, match=f"{field} must be an integer >= 1"):
+            engine.set_limits(**{field: 0})
+    with pytest.raises(ValueError, match="long_prefill_chunk must be an integer >= 0"):
+        engine.set_limits(long_prefill_chunk=-1)
+    assert engine.live_config()["max_num_seqs"] == 64  # nothing changed
+    engine.add_request("long", [5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
+    (out,) = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=2))  # shares steps
+    assert out.finished and engine.is_active("long")
+    assert engine.abort_request("long")[0].finish_reason == "abort"
+    assert engine.kv.pool.num_free == engine.num_blocks
+
+
+def test_chat_messages_are_checked(engine):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role must be one of"):
+        engine.tokenize([{"role": "wizard", "content": "hi"}])
+
+
+def test_unknown_model_path_and_architecture(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "missing")))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError) as err:
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+    assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_bad_engine_config_names_the_field():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(dtype="int3")
+    with pytest.raises(ValueError, match="block_size must be an integer in"):
+        EngineConfig(block_size=0)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="magic")
