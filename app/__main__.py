@@ -25,38 +25,75 @@ SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvscope", description="KVScope desktop app. Subcommands: "
-                                 "gui (default), chat, bench.")
-    ap.add_argument("--connect", metavar="ENDPOINT", help="attach to a running engine instead "
-                    "of spawning one (e.g. tcp://127.0.0.1:5557)")
+    ap = argparse.ArgumentParser(
+        prog="kvscope", description="KVScope desktop app. Subcommands: gui (default), chat, bench."
+    )
+    ap.add_argument(
+        "--connect",
+        metavar="ENDPOINT",
+        help="attach to a running engine instead of spawning one (e.g. tcp://127.0.0.1:5557)",
+    )
     ap.add_argument("--token", default=None, help="engine access token (or $KVSCOPE_TOKEN)")
-    ap.add_argument("--data-dir", default=None, help="conversations and settings directory "
-                    "(default: the platform's app data dir; or $KVSCOPE_DATA_DIR)")
+    ap.add_argument(
+        "--data-dir",
+        default=None,
+        help="conversations and settings directory "
+        "(default: the platform's app data dir; or $KVSCOPE_DATA_DIR)",
+    )
     g = ap.add_argument_group("spawned engine")
     g.add_argument("--model", default=None, help="GGUF file or HF directory")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--engine-args", default="", help="more `python -m engine_proc serve` "
-                   "options, as one shell-quoted string")
+    g.add_argument(
+        "--engine-args",
+        default="",
+        help="more `python -m engine_proc serve` options, as one shell-quoted string",
+    )
     t = ap.add_argument_group("tools")
-    t.add_argument("--demo", action="store_true", help="synthetic engine: try the UI without a "
-                   "model")
+    t.add_argument(
+        "--demo", action="store_true", help="synthetic engine: try the UI without a model"
+    )
     t.add_argument("--screenshot", metavar="OUT.png", help="render the window to a PNG and exit")
-    t.add_argument("--load", type=int, default=0, metavar="N",
-                   help="start N concurrent synthetic chats once the engine is ready")
-    t.add_argument("--load-max-tokens", type=int, default=96, metavar="N",
-                   help="longest synthetic reply of --load (shortest: N/6)")
-    t.add_argument("--settle", type=float, default=8.0, metavar="S",
-                   help="seconds of load before --screenshot captures (default 8)")
-    t.add_argument("--measure-latency", type=float, default=None, metavar="S",
-                   help="measure GUI event-loop latency for S seconds (use with --load 32), "
-                   "print percentiles, exit")
-    t.add_argument("--refresh-hz", type=float, default=10.0,
-                   help="chart and block map redraw rate (10-30)")
-    t.add_argument("--timeout", type=float, default=600.0,
-                   help="give up a --screenshot / --measure-latency run after S seconds")
+    t.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N concurrent synthetic chats once the engine is ready",
+    )
+    t.add_argument(
+        "--load-max-tokens",
+        type=int,
+        default=96,
+        metavar="N",
+        help="longest synthetic reply of --load (shortest: N/6)",
+    )
+    t.add_argument(
+        "--settle",
+        type=float,
+        default=8.0,
+        metavar="S",
+        help="seconds of load before --screenshot captures (default 8)",
+    )
+    t.add_argument(
+        "--measure-latency",
+        type=float,
+        default=None,
+        metavar="S",
+        help="measure GUI event-loop latency for S seconds (use with --load 32), "
+        "print percentiles, exit",
+    )
+    t.add_argument(
+        "--refresh-hz", type=float, default=10.0, help="chart and block map redraw rate (10-30)"
+    )
+    t.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="give up a --screenshot / --measure-latency run after S seconds",
+    )
     t.add_argument("--log-level", default="WARNING")
     return ap
 
@@ -73,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "gui":
         argv = argv[1:]
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return run_gui(args)
 
 
@@ -130,10 +168,14 @@ def _engine_options(args: argparse.Namespace, settings) -> Any:
         except (TypeError, ValueError):
             return None
 
-    return EngineOptions(model=pick("model", str), dtype=pick("dtype", str),
-                         device=pick("device", str), num_kv_blocks=pick("num_kv_blocks", int),
-                         max_model_len=pick("max_model_len", int),
-                         extra_args=shlex.split(args.engine_args))
+    return EngineOptions(
+        model=pick("model", str),
+        dtype=pick("dtype", str),
+        device=pick("device", str),
+        num_kv_blocks=pick("num_kv_blocks", int),
+        max_model_len=pick("max_model_len", int),
+        extra_args=shlex.split(args.engine_args),
+    )
 
 
 def _when_ready(win, fn) -> None:
@@ -153,8 +195,12 @@ def _start_load(win, n: int, max_tokens: int = 96) -> None:
     from app.load_generator import LoadConfig
 
     lo = max(1, max_tokens // 6)
-    cfg = LoadConfig(concurrency=n, system_prompt_tokens=win.load_panel.system_tokens.value(),
-                     min_output_tokens=lo, max_output_tokens=max(lo, max_tokens))
+    cfg = LoadConfig(
+        concurrency=n,
+        system_prompt_tokens=win.load_panel.system_tokens.value(),
+        min_output_tokens=lo,
+        max_output_tokens=max(lo, max_tokens),
+    )
     lp = win.load_panel
     lp.concurrency.setValue(n)
     lp.min_out.setValue(cfg.min_output_tokens)
@@ -162,29 +208,23 @@ def _start_load(win, n: int, max_tokens: int = 96) -> None:
     win.start_load(cfg)
 
 
-def _wait(app, pred, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        app.processEvents()
-        if pred():
-            return True
-        time.sleep(0.01)
-    return bool(pred())
-
-
 def _screenshot(app, win, out: Path, args) -> int:
+    from ui.main_window import wait_until
+
     try:
-        if not _wait(app, lambda: win.state in ("ready", "busy", "disconnected"), args.timeout):
+        if not wait_until(
+            lambda: win.state in ("ready", "busy", "disconnected"), args.timeout, app
+        ):
             print("screenshot: the engine did not become ready in time", file=sys.stderr)
         if win.state in ("ready", "busy"):
-            _wait(app, lambda: False, 1.0)  # let the telemetry subscription join first
+            wait_until(lambda: False, 1.0, app)  # let the telemetry subscription join first
             chat = win.chat
             if not chat.current.messages:
                 chat.input.setPlainText("In two sentences: what is a paged KV cache?")
                 chat.send_current()
             if args.load:
                 _start_load(win, args.load, args.load_max_tokens)
-            _wait(app, lambda: False, args.settle)
+            wait_until(lambda: False, args.settle, app)
             reqs = win.history.latest.requests if win.history.latest else []
             if chat.current is not None and chat.busy():
                 pass  # the conversation's own request is highlighted already
@@ -204,9 +244,10 @@ def _screenshot(app, win, out: Path, args) -> int:
 
 def _measure(app, win, args) -> int:
     from ui.latency import LatencyProbe
+    from ui.main_window import wait_until
 
     try:
-        if not _wait(app, lambda: win.state in ("ready", "busy"), args.timeout):
+        if not wait_until(lambda: win.state in ("ready", "busy"), args.timeout, app):
             print("measure-latency: the engine did not become ready", file=sys.stderr)
             return 1
         # baseline: the same machine and window, engine connected, no load
@@ -217,7 +258,7 @@ def _measure(app, win, args) -> int:
         base = probe.result()
         if args.load:
             _start_load(win, args.load, args.load_max_tokens)
-        _wait(app, lambda: False, 2.0)  # let the load ramp up
+        wait_until(lambda: False, 2.0, app)  # let the load ramp up
         probe = LatencyProbe()
         for d in win.perf.values():
             d.clear()
@@ -231,21 +272,31 @@ def _measure(app, win, args) -> int:
         cpu = (time.process_time() - cpu0) / el
         r = probe.result()
         hz = (win._frames_seen - frames0) / el
-        print(f"GUI event-loop latency over {el:.1f} s, load {args.load} chats, telemetry "
-              f"{hz:.1f} Hz received, redraw {args.refresh_hz:g} Hz:")
-        print(f"  under load: samples {r['n']}  p50 {r['p50']:.1f} ms  p90 {r['p90']:.1f} ms  "
-              f"p99 {r['p99']:.1f} ms  max {r['max']:.1f} ms  (target p99 < 50 ms)")
-        print(f"  idle baseline (3 s, no load): p50 {base['p50']:.1f} ms  p99 {base['p99']:.1f} ms"
-              f"  max {base['max']:.1f} ms")
+        print(
+            f"GUI event-loop latency over {el:.1f} s, load {args.load} chats, telemetry "
+            f"{hz:.1f} Hz received, redraw {args.refresh_hz:g} Hz:"
+        )
+        print(
+            f"  under load: samples {r['n']}  p50 {r['p50']:.1f} ms  p90 {r['p90']:.1f} ms  "
+            f"p99 {r['p99']:.1f} ms  max {r['max']:.1f} ms  (target p99 < 50 ms)"
+        )
+        print(
+            f"  idle baseline (3 s, no load): p50 {base['p50']:.1f} ms  p99 {base['p99']:.1f} ms"
+            f"  max {base['max']:.1f} ms"
+        )
         import numpy as np
 
         for name, d in win.perf.items():
             if d:
                 a = np.asarray(d) * 1e3
-                print(f"  GUI handler '{name}': {len(a)} calls, mean {a.mean():.1f} ms, p99 "
-                      f"{np.percentile(a, 99):.1f} ms, busy {a.sum() / el / 10:.1f}% of the time")
-        print(f"  GUI process CPU: {cpu * 100:.0f}% of one core (all its threads); machine load "
-              f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+                print(
+                    f"  GUI handler '{name}': {len(a)} calls, mean {a.mean():.1f} ms, p99 "
+                    f"{np.percentile(a, 99):.1f} ms, busy {a.sum() / el / 10:.1f}% of the time"
+                )
+        print(
+            f"  GUI process CPU: {cpu * 100:.0f}% of one core (all its threads); machine load "
+            f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        )
         if win.load_panel.stats.text():
             print(f"  load generator: {win.load_panel.stats.text()}")
         return 0

@@ -109,3 +109,30 @@ def test_kv_pool_is_allocated_once_and_decode_allocates_nothing_context_sized():
     context_sized = engine.max_model_len * engine.model_config.num_kv_heads * 16 * 4
     assert largest < context_sized / 4, f"a decode step allocated {largest} bytes at once"
     assert engine.runner.kv_cache.data_ptr() == kv_ptr
+
+
+def test_bfloat16_tracks_float32_through_prefill_and_decode():
+    # On CPUs without native bf16 the prefill runs upcast to float32 and single-row decode
+    # natively in bf16: both paths must stay close to transformers' float32 forward.
+    path = tiny_model_dir("llama", num_heads=4, num_kv_heads=2)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64))
+    prompt = list(range(300, 340))
+    ours = all_position_logits(engine, prompt)
+    with torch.no_grad():
+        ref = hf_reference_model(path)(torch.tensor([prompt])).logits[0].float()
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
+    assert float(cos.min()) > 0.995
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    ref_ids = (
+        hf_reference_model(path)
+        .generate(
+            torch.tensor([prompt]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            pad_token_id=0,
+        )[0, len(prompt) :]
+        .tolist()
+    )
+    assert sum(a == b for a, b in zip(out.token_ids, ref_ids, strict=True)) >= 6

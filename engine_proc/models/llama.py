@@ -94,6 +94,34 @@ class LlamaLayer:
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them torch emulates bf16 matmuls on the CPU, fast only for
+    matrix-vector products (memory-bound) and some 50x slower than float32 otherwise."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class Linear:
+    """F.linear, except that on CPUs without native bf16 a bf16 product of more than a couple
+    of rows (prefill, batched decode) runs in float32 on upcast weights: the upcast reads the
+    weights once, which costs far less than the emulated bf16 GEMM would."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.upcast = dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16()
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.upcast and x.shape[0] > 2:
+            b = None if bias is None else bias.float()
+            return F.linear(x.float(), weight.float(), b).to(x.dtype)
+        return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -125,6 +153,7 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.linear = Linear(device, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -141,7 +170,7 @@ class LlamaModel:
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = self.linear(x, layer.qkv_weight, layer.qkv_bias)
             # One rotary pass over q and k together (they are adjacent columns of qkv).
             qk = qkv[:, : self.q_size + self.kv_size].view(-1, qk_heads, cfg.head_dim)
             qk = self.rotary.apply(qk, cos, sin)
@@ -149,12 +178,12 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
             backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(-1, self.q_size), layer.o_weight)
+            h = h + self.linear(attn.reshape(-1, self.q_size), layer.o_weight)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = self.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
+            h = h + self.linear(F.silu(gate) * up, layer.down_weight)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()
