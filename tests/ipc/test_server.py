@@ -406,7 +406,9 @@ def test_control_shows_in_next_snapshot_and_in_scheduling(engine, client) -> Non
                 s.drain()
         assert max(t.counters["num_requests_running"] for t in snaps) <= 2
         assert max(st.num_running for t in snaps for st in t.steps) <= 2
-        assert max(t.counters["num_requests_waiting"] for t in snaps) >= 1
+        # Every step is reported (step stats accumulate between snapshots), so a queue that
+        # lasted only a few fast steps is still seen.
+        assert max(st.num_waiting for t in snaps for st in t.steps) >= 1
         assert client.set_limits(max_num_seqs=64).max_num_seqs == 64
 
         ack = client.control("set_prefix_caching", enable_prefix_caching=False)
