@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_BACKENDS = ("auto", "torch", "triton")
@@ -24,7 +24,6 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0  # seeds requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -22,23 +22,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check_int(
-            "max_tokens",
-            self.max_tokens,
-            ">= 1",
-            self.max_tokens >= 1 if _is_int(self.max_tokens) else False,
-        )
-        _check_int("n", self.n, ">= 1", self.n >= 1 if _is_int(self.n) else False)
-        _check_int(
-            "top_k", self.top_k, ">= 0 (0 = off)", self.top_k >= 0 if _is_int(self.top_k) else False
-        )
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("n", self.n, low=1)
+        _check_int("top_k", self.top_k, low=0, note=" (0 = off)")
         if self.seed is not None:
-            _check_int(
-                "seed",
-                self.seed,
-                "an integer in [0, 2**63)",
-                _is_int(self.seed) and 0 <= self.seed < 2**63,
-            )
+            _check_int("seed", self.seed, low=0, high=2**63)
         if not _is_number(self.temperature) or not self.temperature >= 0:
             raise ValueError(
                 f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}"
@@ -65,6 +53,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value: object, allowed: str, ok: bool) -> None:
-    if not _is_int(value) or not ok:
+def _check_int(name: str, value: object, low: int, high: int | None = None, note: str = "") -> None:
+    ok = _is_int(value) and low <= value and (high is None or value < high)
+    if not ok:
+        top = "2**63" if high == 2**63 else str(high)
+        allowed = f">= {low}{note}" if high is None else f"an integer in [{low}, {top})"
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
