@@ -27,7 +27,7 @@ class _Prefill:
 
 @dataclass(slots=True)
 class _Decode:
-    token_idx: torch.Tensor  # [B] rows of the flat batch
+    token_idx: torch.Tensor | None  # [B] rows of the flat batch; None: every row, in order
     tables: torch.Tensor  # [B, blocks] with -1 clamped to 0 (masked below)
     max_len: int
     mask: torch.Tensor  # [B, 1, 1, max_len]
@@ -78,16 +78,22 @@ class TorchAttentionBackend:
             out[p.start : p.start + p.q_len] = _attend(q, k, v, p.mask, scale)
         if plan.decode is not None:
             d = plan.decode
-            k = k_cache[d.tables].flatten(1, 2)[:, : d.max_len]  # [B, S, H_kv, D]
-            v = v_cache[d.tables].flatten(1, 2)[:, : d.max_len]
+            b = d.tables.shape[0]
+            # index_select over the flattened block ids: one gather per layer and tensor.
+            k = k_cache.index_select(0, d.tables.view(-1)).view(b, -1, *k_cache.shape[2:])
+            v = v_cache.index_select(0, d.tables.view(-1)).view(b, -1, *v_cache.shape[2:])
+            k, v = k[:, : d.max_len], v[:, : d.max_len]  # [B, S, H_kv, D]
+            q = query if d.token_idx is None else query[d.token_idx]
             o = F.scaled_dot_product_attention(
-                query[d.token_idx].unsqueeze(2),  # [B, H, 1, D]
+                q.unsqueeze(2),  # [B, H, 1, D]
                 k.transpose(1, 2),
                 v.transpose(1, 2),
                 attn_mask=d.mask,
                 scale=scale,
                 enable_gqa=True,
             )
+            if d.token_idx is None:
+                return o.squeeze(2)
             out[d.token_idx] = o.squeeze(2)
         return out
 
@@ -122,8 +128,9 @@ def _decode_plan(
     tables = meta.block_tables[rows_t, : -(-max_len // block_size)].clamp(min=0)
     lens = torch.tensor(seq_lens, device=device)
     mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
-    token_idx = meta.query_start_loc[rows_t + 1].long() - 1
-    return _Decode(token_idx, tables, max_len, mask[:, None, None, :])
+    all_rows = len(rows) == len(meta.query_lens_cpu) == sum(meta.query_lens_cpu)
+    token_idx = None if all_rows else meta.query_start_loc[rows_t + 1].long() - 1
+    return _Decode(token_idx, tables.contiguous(), max_len, mask[:, None, None, :])
 
 
 def _attend(
