@@ -96,3 +96,24 @@ def test_bad_engine_config_names_the_field():
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(attention_backend="magic")
+
+
+def test_a_failing_forward_pass_fails_its_batch_only_and_leaks_nothing(engine):
+    prompt = list(range(10, 30))
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    (expected,) = tiny_engine(num_kv_blocks=64, block_size=4).generate([prompt], params)
+    execute = engine.runner.execute
+
+    def broken(batch):
+        engine.runner.execute = execute  # fail once
+        raise RuntimeError("simulated kernel fault")
+
+    engine.runner.execute = broken
+    engine.add_request("doomed", prompt, params)
+    (out,) = engine.step()
+    assert out.finish_reason == "error" and "simulated kernel fault" in out.error
+    assert engine.kv.pool.num_free == engine.num_blocks
+    # Blocks indexed for the failed step never got their K/V: nothing may hit them.
+    assert engine.kv.pool.hash_to_block == {}
+    (again,) = engine.generate([prompt], params)
+    assert again.token_ids == expected.token_ids
