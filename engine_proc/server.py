@@ -84,7 +84,7 @@ class _InFlight:
 
 
 class EngineServer:
-    """Serves one engine object (the API in docs/TEAM_NOTES.md) over ZeroMQ."""
+    """Serves one engine object (the API in docs/DEVELOPING.md) over ZeroMQ."""
 
     def __init__(
         self, engine: Any, config: ServerConfig, context: zmq.Context | None = None
