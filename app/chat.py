@@ -9,21 +9,15 @@ Ctrl+C during a reply stops that reply; at the prompt it quits.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import threading
-import time
 from typing import IO, Any
 
+from app.supervisor import EngineSupervisor
 from ipc import protocol as P
 from ipc.client import EngineClient, EngineError
-
-READY_PREFIX = "KVSCOPE_READY "
-PROGRESS_PREFIX = "KVSCOPE_PROGRESS "
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,65 +43,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class EngineProcess:
-    """A `python -m engine_proc serve` child, stopped with SIGTERM (then SIGKILL) on close."""
+def start_engine(serve_args: list[str], timeout: float, log: IO[str]) -> EngineSupervisor:
+    """Spawn `python -m engine_proc serve` (through the GUI's supervisor) and wait for its
+    KVSCOPE_READY line, reporting KVSCOPE_PROGRESS on `log`."""
+    settled = threading.Event()
 
-    def __init__(self, serve_args: list[str], timeout: float, log: IO[str]) -> None:
-        cmd = [sys.executable, "-m", "engine_proc", "serve", *serve_args]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1, env=os.environ.copy()
-        )
-        self.ready = wait_ready(self.proc, timeout, log)
-        # Keep reading stdout so the child never blocks on a full pipe.
-        threading.Thread(target=self._drain, daemon=True).start()
+    def progress(fraction: float, message: str) -> None:
+        log.write(f"\r[engine {fraction * 100:5.1f}%] {message[:60]:<60}")
+        log.flush()
 
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for _ in self.proc.stdout:
-            pass
-
-    def close(self, timeout: float = 15.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def wait_ready(proc: subprocess.Popen, timeout: float, log: IO[str] | None) -> dict[str, Any]:
-    """Read the child's stdout until KVSCOPE_READY; report KVSCOPE_PROGRESS lines to `log`."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    result: dict[str, Any] = {}
-
-    def reader() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(READY_PREFIX):
-                result.update(json.loads(line[len(READY_PREFIX) :]))
-                return
-            if line.startswith(PROGRESS_PREFIX) and log is not None:
-                frac, _, msg = line[len(PROGRESS_PREFIX) :].strip().partition(" ")
-                log.write(f"\r[engine {float(frac) * 100:5.1f}%] {msg[:60]:<60}")
-                log.flush()
-
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    while t.is_alive() and time.monotonic() < deadline:
-        t.join(0.2)
-        if proc.poll() is not None and t.is_alive():
-            t.join(1.0)
-            break
-    if log is not None:
-        log.write("\n")
-    if not result:
-        if proc.poll() is None:
-            proc.kill()
-        raise RuntimeError(f"the engine did not get ready (exit code {proc.poll()})")
-    return result
+    engine = EngineSupervisor(
+        [sys.executable, "-m", "engine_proc", "serve", *serve_args],
+        on_progress=progress,
+        on_ready=lambda _info: settled.set(),
+        on_exit=lambda _code: settled.set(),
+    )
+    engine.start()
+    settled.wait(timeout)
+    log.write("\n")
+    if engine.ready_info is None:
+        engine.stop()
+        tail = "\n".join(engine.tail(10))
+        raise RuntimeError(f"the engine did not get ready (exit code {engine.proc.poll()})\n{tail}")
+    return engine
 
 
 def _stats_line(finish: P.Finish) -> str:
@@ -215,7 +173,7 @@ def _one_turn(
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     token = args.token or os.environ.get("KVSCOPE_TOKEN") or None
-    engine: EngineProcess | None = None
+    engine: EngineSupervisor | None = None
     endpoint = args.connect
     if endpoint is None:
         serve_args = ["--endpoint", "tcp://127.0.0.1:*", "--pub-endpoint", "tcp://127.0.0.1:*"]
@@ -229,11 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                 serve_args += [flag, value]
         serve_args += shlex.split(args.engine_args)
         try:
-            engine = EngineProcess(serve_args, args.startup_timeout, sys.stderr)
+            engine = start_engine(serve_args, args.startup_timeout, sys.stderr)
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        endpoint = engine.ready["endpoint"]
+        endpoint = engine.ready_info["endpoint"]
     try:
         try:
             client = EngineClient(endpoint, token=token, client_name="terminal-chat")
@@ -248,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             client.close()
     finally:
         if engine is not None:
-            engine.close()
+            engine.stop(timeout=15.0)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import pickle
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,8 +81,10 @@ def parse_workload(raw: dict) -> list[Req]:
             raise ValueError(f"workload.requests[{i}].id must be a unique non-empty string")
         ids.add(rid)
         prompt = r.get("prompt")
-        if not isinstance(prompt, list) or not prompt or not all(
-            isinstance(t, int) for t in prompt
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(t, int) for t in prompt)
         ):
             raise ValueError(f"workload.requests[{i}].prompt must be a non-empty list of ints")
         max_tokens = r.get("max_tokens")
@@ -92,9 +94,7 @@ def parse_workload(raw: dict) -> list[Req]:
         if (arrival is None) == (after is None):
             raise ValueError(f"workload.requests[{i}] needs exactly one of arrival_s or after")
         if after is not None and after.get("request") not in ids:
-            raise ValueError(
-                f"workload.requests[{i}].after.request must name an earlier request"
-            )
+            raise ValueError(f"workload.requests[{i}].after.request must name an earlier request")
         out.append(Req(rid, prompt, max_tokens, arrival, after))
     return out
 
@@ -117,7 +117,7 @@ class Issuer:
             else:
                 ref = self.by_id[r.after["request"]]
                 n = r.after["tokens"]
-                if (ref.finished if n < 0 else ref.num_out >= n):
+                if ref.finished if n < 0 else ref.num_out >= n:
                     r.issued = now
                     ready.append(r)
         for r in ready:
@@ -135,18 +135,20 @@ def request_results(reqs: list[Req], t0: float) -> list[dict]:
         t = r.token_times
         ttft = t[0] - r.issued if t and r.issued is not None else None
         itl = [b - a for a, b in zip(t, t[1:], strict=False)]
-        rows.append({
-            "id": r.id,
-            "prompt_tokens": len(r.prompt),
-            "output_tokens": len(t),
-            "cached_tokens": r.num_cached,
-            "arrival": None if r.issued is None else r.issued - t0,
-            "ttft": ttft,
-            "tpot": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None,
-            "e2e": t[-1] - r.issued if t and r.issued is not None else None,
-            "itl": [round(x, 6) for x in itl],
-            "token_times": [round(x - t0, 6) for x in t],
-        })
+        rows.append(
+            {
+                "id": r.id,
+                "prompt_tokens": len(r.prompt),
+                "output_tokens": len(t),
+                "cached_tokens": r.num_cached,
+                "arrival": None if r.issued is None else r.issued - t0,
+                "ttft": ttft,
+                "tpot": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None,
+                "e2e": t[-1] - r.issued if t and r.issued is not None else None,
+                "itl": [round(x, 6) for x in itl],
+                "token_times": [round(x - t0, 6) for x in t],
+            }
+        )
     return rows
 
 
@@ -207,8 +209,12 @@ def load_engine_checkpoint(model: str | None, dtype: str, cache_dir: Path | None
     ckpt = load_checkpoint(str(path), torch_dtype)
     d.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, str(d / "weights.safetensors"))
-    meta = {"config": ckpt.config, "tokenizer": ckpt.tokenizer, "model_id": ckpt.model_id,
-            "display_name": ckpt.display_name}
+    meta = {
+        "config": ckpt.config,
+        "tokenizer": ckpt.tokenizer,
+        "model_id": ckpt.model_id,
+        "display_name": ckpt.display_name,
+    }
     with open(d / "meta.pkl", "wb") as f:
         pickle.dump(meta, f)
     (d / "done").touch()
@@ -226,12 +232,14 @@ def load_hf_model(model: str | None, dtype: str, cache_dir: Path | None) -> Any:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).eval()
     if cache_dir is None:
         return AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch_dtype).eval()
+            str(path.parent), gguf_file=path.name, dtype=torch_dtype
+        ).eval()
     d = cache_dir / _cache_key(path, "float32", "hf")
     if not (d / "done").exists():
         logger.info("converting %s with transformers (first run only)", path.name)
         m = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
         _save_hf_plain(m, d)
         del m
     return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch_dtype).eval()
@@ -245,8 +253,11 @@ def _save_hf_plain(model: Any, d: Path) -> None:
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # the same storage as the embedding
-    save_file({k: v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(d / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -264,7 +275,9 @@ def engine_config_for(system: str, workload: dict, args: argparse.Namespace) -> 
     reqs = workload["requests"]
     longest = max(len(r["prompt"]) for r in reqs)
     kw: dict[str, Any] = {
-        "model": args.model, "dtype": args.dtype, "num_threads": args.threads,
+        "model": args.model,
+        "dtype": args.dtype,
+        "num_threads": args.threads,
         "device": args.device,
     }
     kw.update(workload.get("engine", {}))
@@ -291,14 +304,20 @@ def run_kvscope(system: str, workload: dict, args: argparse.Namespace) -> dict:
     del ckpt
     load_s = time.monotonic() - t_load
     clock = engine.clock
-    engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0,
-                                                    ignore_eos=True))
+    engine.generate(
+        [WARMUP_PROMPT], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True)
+    )
     engine.reset_prefix_cache()
     base = engine.snapshot().counters
     reqs = parse_workload(workload)
     by_id = {r.id: r for r in reqs}
-    occ = {"filled_bytes": 0.0, "paged_bytes": 0.0, "contiguous_bytes": 0.0,
-           "contiguous_need_bytes": 0.0, "samples": 0}
+    occ = {
+        "filled_bytes": 0.0,
+        "paged_bytes": 0.0,
+        "contiguous_bytes": 0.0,
+        "contiguous_need_bytes": 0.0,
+        "samples": 0,
+    }
     kv_bpt = engine.kv_bytes_per_token
     active: dict[str, Req] = {}
     num_steps = 0
@@ -331,19 +350,21 @@ def run_kvscope(system: str, workload: dict, args: argparse.Namespace) -> dict:
     result = summarize(reqs, t0)
     queries = counters["prefix_cache_queries"] - base["prefix_cache_queries"]
     hits = counters["prefix_cache_hits"] - base["prefix_cache_hits"]
-    result.update({
-        "load_s": load_s,
-        "steps": num_steps,
-        "prefix_cache_queries": queries,
-        "prefix_cache_hits": hits,
-        "prefix_hit_rate": hits / queries if queries else None,
-        "num_preemptions": counters["num_preemptions"] - base["num_preemptions"],
-        "kv": _occupancy_result(occ),
-        "engine_config": engine.live_config() | {"num_kv_blocks": engine.num_blocks,
-                                                 "block_size": engine.block_size},
-        "model_info": engine.model_info(),
-        "requests": request_results(reqs, t0),
-    })
+    result.update(
+        {
+            "load_s": load_s,
+            "steps": num_steps,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_hit_rate": hits / queries if queries else None,
+            "num_preemptions": counters["num_preemptions"] - base["num_preemptions"],
+            "kv": _occupancy_result(occ),
+            "engine_config": engine.live_config()
+            | {"num_kv_blocks": engine.num_blocks, "block_size": engine.block_size},
+            "model_info": engine.model_info(),
+            "requests": request_results(reqs, t0),
+        }
+    )
     return result
 
 
@@ -407,8 +428,8 @@ def run_hf(workload: dict, args: argparse.Namespace) -> dict:
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding: every row ends at the same column
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         stamps: list[float] = []
 
         def stamp(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -417,9 +438,13 @@ def run_hf(workload: dict, args: argparse.Namespace) -> dict:
 
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device),
-                max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                pad_token_id=pad_id, logits_processor=[stamp],
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad_id,
+                logits_processor=[stamp],
             )
         assert out.shape[1] - width == max_new, (out.shape, width, max_new)
         return stamps
@@ -427,18 +452,8 @@ def run_hf(workload: dict, args: argparse.Namespace) -> dict:
     generate([WARMUP_PROMPT], WARMUP_TOKENS)
     reqs = parse_workload(workload)
     t0 = clock()
-    issuer = Issuer(reqs, t0)
-    queue: list[Req] = []
     batches = 0
-    while issuer.pending or queue:
-        queue.extend(issuer.due(clock()))
-        if not queue:
-            nxt = issuer.next_time()
-            if nxt is None:
-                raise ValueError("workload has event-triggered requests that can never arrive")
-            time.sleep(max(0.0, nxt - clock()))
-            continue
-        batch, queue = queue[:batch_size], queue[batch_size:]
+    for batch in arrived_batches(Issuer(reqs, t0), clock, batch_size):
         stamps = generate([r.prompt for r in batch], max(r.max_tokens for r in batch))
         for r in batch:
             # Generous to the baseline: a request counts as done at its own last token, not
@@ -448,9 +463,32 @@ def run_hf(workload: dict, args: argparse.Namespace) -> dict:
             r.finished = True
         batches += 1
     result = summarize(reqs, t0)
-    result.update({"load_s": load_s, "batches": batches, "hf_batch": batch_size,
-                   "prefix_hit_rate": None, "requests": request_results(reqs, t0)})
+    result.update(
+        {
+            "load_s": load_s,
+            "batches": batches,
+            "hf_batch": batch_size,
+            "prefix_hit_rate": None,
+            "requests": request_results(reqs, t0),
+        }
+    )
     return result
+
+
+def arrived_batches(issuer: Issuer, clock: Callable[[], float], size: int) -> Iterator[list[Req]]:
+    """Requests in arrival order, up to `size` at a time, waiting for the next arrival when
+    none is due (static batching: a batch never grows once started)."""
+    queue: list[Req] = []
+    while issuer.pending or queue:
+        queue.extend(issuer.due(clock()))
+        if not queue:
+            nxt = issuer.next_time()
+            if nxt is None:
+                raise ValueError("workload has event-triggered requests that can never arrive")
+            time.sleep(max(0.0, nxt - clock()))
+            continue
+        batch, queue = queue[:size], queue[size:]
+        yield batch
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,23 +504,19 @@ def run_llamacpp(workload: dict, args: argparse.Namespace) -> dict:
     from llama_cpp import Llama
 
     t_load = time.monotonic()
-    llm = Llama(model_path=str(path), n_ctx=4096, n_batch=512, verbose=False,
-                n_threads=args.threads or os.cpu_count())
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=4096,
+        n_batch=512,
+        verbose=False,
+        n_threads=args.threads or os.cpu_count(),
+    )
     load_s = time.monotonic() - t_load
     clock = time.monotonic
     reqs = parse_workload(workload)
     t0 = clock()
-    issuer = Issuer(reqs, t0)
-    queue: list[Req] = []
-    while issuer.pending or queue:  # llama-cpp-python serves one sequence at a time
-        queue.extend(issuer.due(clock()))
-        if not queue:
-            nxt = issuer.next_time()
-            if nxt is None:
-                raise ValueError("workload has event-triggered requests that can never arrive")
-            time.sleep(max(0.0, nxt - clock()))
-            continue
-        r = queue.pop(0)
+    # llama-cpp-python serves one sequence at a time
+    for (r,) in arrived_batches(Issuer(reqs, t0), clock, 1):
         llm.reset()
         for _ in llm.generate(r.prompt, temp=0.0, reset=True):
             r.token_times.append(clock())
@@ -490,8 +524,9 @@ def run_llamacpp(workload: dict, args: argparse.Namespace) -> dict:
                 break
         r.num_out, r.finished = len(r.token_times), True
     result = summarize(reqs, t0)
-    result.update({"load_s": load_s, "prefix_hit_rate": None,
-                   "requests": request_results(reqs, t0)})
+    result.update(
+        {"load_s": load_s, "prefix_hit_rate": None, "requests": request_results(reqs, t0)}
+    )
     return result
 
 
@@ -569,21 +604,33 @@ def model_facts(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m engine_proc.bench_worker",
-                                 description="Run one system on one workload; print one JSON line.")
+    ap = argparse.ArgumentParser(
+        prog="python -m engine_proc.bench_worker",
+        description="Run one system on one workload; print one JSON line.",
+    )
     ap.add_argument("--system", required=True, choices=SYSTEMS)
-    ap.add_argument("--workload", default=None,
-                    help="workload JSON file, or - for stdin (not needed for ceilings)")
+    ap.add_argument(
+        "--workload",
+        default=None,
+        help="workload JSON file, or - for stdin (not needed for ceilings)",
+    )
     ap.add_argument("--quick", action="store_true", help="smaller ceiling measurements")
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--hf-batch", type=int, default=8, help="static batch size of the hf system")
-    ap.add_argument("--kv-blocks", type=int, default=None, help="KV pool size (default: fits "
-                    "every request of the workload at full length)")
-    ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kvscope" / "bench"),
-                    help="dequantized-weights cache")
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool size (default: fits every request of the workload at full length)",
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=str(Path.home() / ".cache" / "kvscope" / "bench"),
+        help="dequantized-weights cache",
+    )
     ap.add_argument("--no-cache", action="store_true", help="load the model from scratch")
     ap.add_argument("--log-level", default="WARNING")
     return ap
@@ -609,8 +656,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     start = time.monotonic()
     header = {"system": args.system, "dtype": args.dtype, "pid": os.getpid()}
     try:
@@ -621,8 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     header["workload"] = None
     if args.workload not in (None, "-"):
         header["workload"] = Path(args.workload).stem
-    result = header | result | {"peak_rss_mb": peak_rss_mb(),
-                                "process_s": time.monotonic() - start}
+    result = header | result | {"peak_rss_mb": peak_rss_mb(), "process_s": time.monotonic() - start}
     print(json.dumps(result))
     return 0
 

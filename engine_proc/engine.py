@@ -297,11 +297,10 @@ class LLMEngine:
                 root_hash=parent.root_hash,
                 max_total_tokens=parent.max_total_tokens,
                 eos_token_ids=parent.eos_token_ids,
-                status=SequenceStatus.RUNNING,
                 num_cached_tokens=parent.num_cached_tokens,
             )
             self.kv.fork(parent, child)
-            self.scheduler.running.append(child)
+            self.scheduler.add_forked(child)
             self.requests[parent.request_id].append(child)
             children.append(child)
         parent.num_forks = 1

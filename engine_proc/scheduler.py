@@ -60,6 +60,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_forked(self, seq: Sequence) -> None:
+        """A sequence forked from a running parent: it runs from the next step on."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -13,7 +13,7 @@ Sockets (docs/PROTOCOL.md has the full description):
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -63,17 +63,6 @@ ERROR_CODES = (
     ERR_INTERNAL,
 )
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-CONTROL_OPS = (
-    "get_config",
-    "set_limits",
-    "set_prefix_caching",
-    "reset_prefix_cache",
-    "pause",
-    "resume",
-    "shutdown",
-)
-
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 ControlOp = Literal[
     "get_config",
@@ -85,6 +74,8 @@ ControlOp = Literal[
     "shutdown",
 ]
 FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+CONTROL_OPS: tuple[str, ...] = get_args(ControlOp)
 
 _STRICT = dict(kw_only=True, forbid_unknown_fields=True, omit_defaults=True)
 
