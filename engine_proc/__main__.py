@@ -27,6 +27,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument(
+        "--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph capture)"
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -48,6 +51,7 @@ def run_generate(args: argparse.Namespace) -> int:
             device=args.device,
             num_threads=args.threads,
             attention_backend=args.attention_backend,
+            cuda_graphs=not args.no_cuda_graphs,
         ),
         progress=_print_progress,
     )

@@ -22,6 +22,8 @@ class EngineConfig:
     long_prefill_chunk: int = 512  # 0 = a prompt may take the whole token budget
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # Decode steps replayed from CUDA graphs (CUDA + Triton backend only); False = always eager.
+    cuda_graphs: bool = True
     seed: int = 0  # seeds requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU
 
@@ -33,6 +35,8 @@ class EngineConfig:
                 f"attention_backend must be one of {SUPPORTED_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

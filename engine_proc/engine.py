@@ -80,6 +80,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.backend = select_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, kv_cache, self.backend)
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
+            self._capture_decode_graphs(progress)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -98,6 +100,15 @@ class LLMEngine:
             config.dtype,
             self.backend.name,
         )
+
+    def _capture_decode_graphs(self, progress: Callable[[float, str], None] | None) -> None:
+        if progress is not None:
+            progress(0.99, "capturing decode CUDA graphs")
+        try:
+            self.runner.enable_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+        except Exception:  # a driver or capture problem costs speed, never service
+            logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            self.runner.decode_graphs = None
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -440,6 +451,9 @@ class LLMEngine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_pool_bytes": self.num_blocks * self.block_bytes,
             "max_model_len": self.max_model_len,
+            "cuda_graph_sizes": (
+                self.runner.decode_graphs.batch_sizes if self.runner.decode_graphs else []
+            ),
         }
 
     def all_sequences(self) -> list[Sequence]:

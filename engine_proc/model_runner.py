@@ -3,12 +3,14 @@ positions, slot mapping, block tables and query offsets, and runs the forward pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
+from engine_proc.cuda_graphs import DecodeGraphRunner, Graph
 from engine_proc.models.llama import LlamaModel
 from engine_proc.request import Sequence
 from engine_proc.scheduler import ScheduledBatch
@@ -36,6 +38,27 @@ class ModelRunner:
         self.block_size = kv_cache.shape[3]
         self.backend = backend
         self.device = kv_cache.device
+        self.decode_graphs: DecodeGraphRunner | None = None  # set by enable_decode_graphs
+        self.num_graph_steps = 0
+
+    def enable_decode_graphs(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        make_graph: Callable[[object], Graph] | None = None,
+    ) -> float:
+        """Capture decode graphs for batch sizes up to ``max_num_seqs``; seconds spent."""
+        graphs = DecodeGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.backend,
+            max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // self.block_size),
+            make_graph=make_graph,
+        )
+        seconds = graphs.capture()
+        self.decode_graphs = graphs
+        return seconds
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
         bs = self.block_size
@@ -93,9 +116,13 @@ class ModelRunner:
         """Logits [num_sampling_seqs, vocab] (float32) and the sequences they belong to."""
         self.copy_blocks(batch.block_copies)
         step = self.prepare(batch)
-        hidden = self.model.forward(
-            step.input_ids, step.positions, self.kv_caches, step.meta, self.backend
-        )
+        if self.decode_graphs is not None and self.decode_graphs.can_run(step):
+            hidden = self.decode_graphs.run(step)
+            self.num_graph_steps += 1
+        else:
+            hidden = self.model.forward(
+                step.input_ids, step.positions, self.kv_caches, step.meta, self.backend
+            )
         if not step.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
         return self.model.compute_logits(hidden[step.logits_indices]), step.sampling_seqs

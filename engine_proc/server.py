@@ -757,6 +757,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument(
+        "--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph capture)"
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # "module:callable"
     s = parser.add_argument_group("serving")
@@ -823,6 +826,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         attention_backend=args.attention_backend,
         seed=args.seed,
         num_threads=args.num_threads,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk"):
         if getattr(args, name) is not None:

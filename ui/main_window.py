@@ -223,7 +223,12 @@ class MainWindow(QMainWindow):
 
     def _show_model(self, w) -> None:
         m = w.model
-        self.model_label.setText(f"{m.name} · {m.architecture} · {m.device} · {m.dtype}")
+        engine_bits = [m.name, m.architecture, m.device, m.dtype]
+        if m.attention_backend:
+            engine_bits.append(f"{m.attention_backend} attention")
+        if m.cuda_graph_sizes:
+            engine_bits.append(f"CUDA graphs ≤{m.cuda_graph_sizes[-1]} seqs")
+        self.model_label.setText(" · ".join(engine_bits))
         total = m.num_blocks * m.block_size * m.kv_bytes_per_token
         self.kv_label.setText(
             f"{m.num_blocks:,} blocks × {m.block_size} tokens · {kv_formula(m)} · "

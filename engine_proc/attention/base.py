@@ -36,6 +36,9 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    # True when a call reads per-sequence data only from device tensors (never the *_cpu lists
+    # or per-step host planning), so a CUDA graph replay with new buffer contents stays correct.
+    graph_safe: bool
 
     def write_kv(
         self,

@@ -41,6 +41,7 @@ class _Plan:
 
 class TorchAttentionBackend:
     name = "torch"
+    graph_safe = False  # plans each step from host lists (see AttentionBackend.graph_safe)
 
     def write_kv(
         self,

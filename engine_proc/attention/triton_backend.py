@@ -311,20 +311,55 @@ def _pick_tile(block_size: int) -> int:
     return 32 if block_size <= 32 else 64
 
 
-def _pick_block_m(group: int, max_query_len: int) -> int:
+def _pick_block_m(dtype: torch.dtype, group: int, max_query_len: int) -> int:
     # Decode-only batches have one token per sequence: 16 rows (tl.dot's minimum) hold one
     # token's whole head group up to GQA 16. Prefill packs several tokens per program so each
-    # K/V tile is reused across them.
+    # K/V tile is reused across them; float32 tiles are twice the registers, so half the rows
+    # (ptxas spilled 40 KB per thread at 64 rows x head_dim 128, see triton_aot).
     rows = max(16, triton.next_power_of_2(group))
     if max_query_len > 1:
-        rows = max(rows, 64)
+        rows = max(rows, 32 if dtype == torch.float32 else 64)
     return rows
+
+
+def attention_constants(
+    dtype: torch.dtype, group: int, head_dim: int, block_size: int, max_query_len: int
+) -> dict[str, int | str | bool]:
+    """The compile-time constants (and warp count) of one paged-attention launch: what
+    ``forward`` passes, and what the ahead-of-time compile check (``triton_aot``) builds for a
+    GPU it does not have. Warp counts chosen from ptxas' report: 8 warps where 4 spill."""
+    block_m = _pick_block_m(dtype, group, max_query_len)
+    return {
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_P2": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_SIZE": block_size,
+        "TILE": _pick_tile(block_size),
+        "BLOCK_Q": max(1, block_m // group),
+        "BLOCK_M": block_m,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "DOT_IN_FP32": _INTERPRETED and dtype == torch.bfloat16,
+        "num_warps": 8 if max_query_len > 1 or dtype == torch.float32 else 4,
+    }
+
+
+def write_kv_constants(num_kv_heads: int, head_dim: int, block_size: int) -> dict[str, int]:
+    return {
+        "NUM_KV_HEADS": num_kv_heads,
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": block_size,
+        "HEADS_P2": triton.next_power_of_2(num_kv_heads),
+        "HEAD_DIM_P2": triton.next_power_of_2(head_dim),
+    }
 
 
 class TritonAttentionBackend:
     """Paged attention on the GPU through Triton (see the module docstring)."""
 
     name = "triton"
+    # Launch grids and constants depend only on tensor shapes and max_query_len, and every
+    # per-sequence value is read on the device: a decode step can be captured in a CUDA graph.
+    graph_safe = True
 
     def __init__(self) -> None:
         if triton is None:
@@ -387,11 +422,7 @@ class TritonAttentionBackend:
             v_cache.stride(0),
             v_cache.stride(1),
             v_cache.stride(2),
-            NUM_KV_HEADS=num_kv_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=k_cache.shape[1],
-            HEADS_P2=triton.next_power_of_2(num_kv_heads),
-            HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+            **write_kv_constants(num_kv_heads, head_dim, k_cache.shape[1]),
         )
 
     def forward(
@@ -449,9 +480,10 @@ class TritonAttentionBackend:
         if query.stride(2) != 1:
             query = query.contiguous()
 
-        group = num_heads // num_kv_heads
-        block_m = _pick_block_m(group, meta.max_query_len)
-        block_q = max(1, block_m // group)
+        consts = attention_constants(
+            query.dtype, num_heads // num_kv_heads, head_dim, k_cache.shape[1], meta.max_query_len
+        )
+        block_q = consts["BLOCK_Q"]
         # Upper bound of sum(ceil(query_len / BLOCK_Q)) computable without reading the lengths:
         # each sequence gets at most floor(its tokens / BLOCK_Q) + 1 blocks.
         grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -480,14 +512,6 @@ class TritonAttentionBackend:
             v_cache.stride(0),
             v_cache.stride(1),
             v_cache.stride(2),
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_SIZE=k_cache.shape[1],
-            TILE=_pick_tile(k_cache.shape[1]),
-            BLOCK_Q=block_q,
-            BLOCK_M=block_m,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16,
+            **consts,
         )
         return out

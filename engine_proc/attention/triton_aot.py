@@ -1,0 +1,275 @@
+"""Compile the Triton kernels for NVIDIA GPUs this machine does not have.
+
+    python -m engine_proc.attention.triton_aot                 # sm_80 and sm_90, the usual variants
+    python -m engine_proc.attention.triton_aot --arch 90 --verbose
+
+Triton's interpreter runs the kernels' arithmetic on CPU but is lenient where the GPU compiler is
+strict (types, layouts, ``tl.dot`` shapes, shared memory). This builds every launch variant the
+engine picks (through the same ``attention_constants`` as ``forward``) down to a cubin for a
+chosen compute capability, then reads ptxas' resource report: registers per thread, spill bytes
+and shared memory, checked against the architecture's per-block limit. No GPU is needed, only the
+``ptxas`` that ships inside the triton wheel.
+
+It must run with the kernels compiled, not interpreted: it refuses when ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Most dynamic shared memory one block may use, per compute capability (CUDA programming guide).
+SHARED_MEMORY_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+_PTR_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionVariant:
+    dtype: torch.dtype
+    group: int  # query heads per KV head
+    head_dim: int
+    block_size: int
+    max_query_len: int  # 1 = decode-only launch; larger = prefill tiles
+
+    def label(self) -> str:
+        kind = "decode" if self.max_query_len == 1 else "prefill"
+        return (
+            f"attention {str(self.dtype).removeprefix('torch.'):<8} group {self.group:<2} "
+            f"head_dim {self.head_dim:<3} block {self.block_size:<2} {kind}"
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class WriteKVVariant:
+    dtype: torch.dtype
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def label(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"write_kv  {dtype:<8} kv_heads {self.num_kv_heads:<2} "
+            f"head_dim {self.head_dim:<3} block {self.block_size:<2}"
+        )
+
+
+@dataclass(slots=True)
+class CompileReport:
+    label: str
+    arch: int
+    seconds: float
+    shared_bytes: int
+    registers: int | None
+    spill_bytes: int | None
+    num_warps: int
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= SHARED_MEMORY_LIMIT.get(self.arch, 48 * 1024)
+
+
+def default_variants() -> list[AttentionVariant | WriteKVVariant]:
+    """What the acceptance sweep covers: every dtype, head dims 64/128 (and 80, padded), GQA
+    1/3/8, block sizes 16/32, decode and prefill tiles, without the full cross product."""
+    out: list[AttentionVariant | WriteKVVariant] = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for group, head_dim, block_size in ((1, 64, 16), (3, 128, 32), (8, 128, 16)):
+            for max_query_len in (1, 64):
+                out.append(AttentionVariant(dtype, group, head_dim, block_size, max_query_len))
+    out.append(AttentionVariant(torch.bfloat16, 3, 80, 32, 64))
+    out.append(WriteKVVariant(torch.bfloat16, 8, 128, 16))
+    out.append(WriteKVVariant(torch.float32, 3, 80, 32))
+    return out
+
+
+def quick_variants() -> list[AttentionVariant | WriteKVVariant]:
+    """A few seconds' worth: the engine's common bf16 decode, the heaviest prefill tile (float32,
+    head_dim 128) and the KV write."""
+    return [
+        AttentionVariant(torch.bfloat16, 8, 128, 16, 1),
+        AttentionVariant(torch.float32, 3, 128, 32, 64),
+        WriteKVVariant(torch.bfloat16, 8, 128, 16),
+    ]
+
+
+def _signature(kernel, pointers: dict[str, str], floats: tuple[str, ...], constants: dict):
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constants:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _source(variant: AttentionVariant | WriteKVVariant):
+    """The kernel as Triton's compiler takes it, and the warp count ``forward`` launches with."""
+    from triton.compiler import ASTSource
+
+    from engine_proc.attention import triton_backend as tb
+
+    ptr = _PTR_TYPES[variant.dtype]
+    if isinstance(variant, AttentionVariant):
+        kernel = tb._paged_attention_kernel
+        constants = tb.attention_constants(
+            variant.dtype, variant.group, variant.head_dim, variant.block_size,
+            variant.max_query_len,
+        )  # fmt: skip
+        pointers = {
+            "out_ptr": ptr,
+            "query_ptr": ptr,
+            "k_cache_ptr": ptr,
+            "v_cache_ptr": ptr,
+            "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+            "query_start_loc_ptr": "*i32",
+        }
+        floats: tuple[str, ...] = ("scale_log2",)
+    else:
+        kernel = tb._write_kv_kernel
+        constants = tb.write_kv_constants(
+            variant.num_kv_heads, variant.head_dim, variant.block_size
+        )
+        pointers = {
+            "key_ptr": ptr,
+            "value_ptr": ptr,
+            "k_cache_ptr": ptr,
+            "v_cache_ptr": ptr,
+            "slot_mapping_ptr": "*i64",
+        }
+        floats = ()
+    num_warps = int(constants.pop("num_warps", 4))
+    sig = _signature(kernel, pointers, floats, constants)
+    constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
+    return ASTSource(fn=kernel, signature=sig, constexprs=constexprs), num_warps
+
+
+def ptxas_path(arch: int) -> str:
+    """The ptxas Triton itself uses for this architecture (the wheel ships two)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(arch).path
+
+
+def _resource_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """Registers per thread and spill bytes (stores + loads) from ``ptxas -v``."""
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE)
+    gpu = target.group(1) if target else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(
+            [ptxas_path(arch), f"-arch={gpu}", "-v", src, "-o", os.path.join(tmp, "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    text = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (
+        int(regs.group(1)) if regs else None,
+        int(spills.group(1)) + int(spills.group(2)) if spills else None,
+    )
+
+
+def compile_variant(variant: AttentionVariant | WriteKVVariant, arch: int) -> CompileReport:
+    """Build one variant to a cubin for ``sm_<arch>``; raises whatever the compiler raises."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from engine_proc.attention import triton_backend as tb
+
+    if tb.kernels_interpreted():
+        raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled")
+    started = time.monotonic()
+    source, num_warps = _source(variant)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
+    )
+    seconds = time.monotonic() - started
+    registers, spill_bytes = _resource_usage(compiled.asm["ptx"], arch)
+    return CompileReport(
+        label=variant.label(),
+        arch=arch,
+        seconds=seconds,
+        shared_bytes=int(compiled.metadata.shared),
+        registers=registers,
+        spill_bytes=spill_bytes,
+        num_warps=int(compiled.metadata.num_warps),
+    )
+
+
+def _parse_archs(text: str) -> list[int]:
+    try:
+        archs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--arch: expected e.g. 80,90, got {text!r}") from exc
+    bad = [a for a in archs if a < 75]
+    if not archs or bad:
+        raise argparse.ArgumentTypeError(
+            f"--arch: compute capabilities >= 75 (e.g. 80,86,89,90), got {text!r}"
+        )
+    return archs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_proc.attention.triton_aot",
+        description="Compile the Triton kernels for NVIDIA GPUs without one (ptxas report).",
+    )
+    parser.add_argument("--arch", type=_parse_archs, default=[80, 90], help="e.g. 80,86,90")
+    parser.add_argument("--quick", action="store_true", help="three variants instead of all")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1 is set: unset it, this compiles the kernels for real GPUs")
+        return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("triton is not installed: nothing to compile (pip install triton)")
+        return 2
+    variants = quick_variants() if args.quick else default_variants()
+    print(
+        f"{'variant':<62} {'sm':>3} {'warps':>5} {'regs':>5} {'spill B':>8} {'smem KB':>8} {'s':>5}"
+    )
+    failures = 0
+    for arch in args.arch:
+        for variant in variants:
+            try:
+                r = compile_variant(variant, arch)
+            except Exception as exc:  # report every variant, then fail
+                failures += 1
+                print(f"{variant.label():<62} {arch:>3} FAILED: {exc!r}"[:400])
+                continue
+            flag = "" if r.fits else "  exceeds the shared-memory limit"
+            failures += not r.fits
+            print(
+                f"{r.label:<62} {arch:>3} {r.num_warps:>5} {r.registers!s:>5} "
+                f"{r.spill_bytes!s:>8} {r.shared_bytes / 1024:>8.1f} {r.seconds:>5.1f}{flag}"
+            )
+    print("all variants compiled" if not failures else f"{failures} variant(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

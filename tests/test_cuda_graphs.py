@@ -1,0 +1,137 @@
+"""Decode CUDA graphs: bucketing, inert padding and static buffers, checked on CPU through the
+eager stand-in graph and the interpreted Triton kernels (the real torch.cuda.CUDAGraph path runs
+on a GPU, marked ``cuda``)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine_proc import SamplingParams
+from engine_proc.attention.base import AttentionMetadata
+from engine_proc.attention.triton_backend import is_triton_usable
+from engine_proc.cuda_graphs import EagerReplayGraph, graph_batch_sizes
+from tests.engine_fixtures import greedy_reference, tiny_engine, tiny_hf_model
+
+
+def test_batch_sizes_are_bucketed_up_to_the_limit():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph_batch_sizes(0)
+
+
+def test_torch_reference_backend_is_never_captured():
+    engine = tiny_engine(attention_backend="torch")
+    with pytest.raises(ValueError, match="cannot be captured.*triton"):
+        engine.runner.enable_decode_graphs(4, 64, make_graph=EagerReplayGraph)
+
+
+def test_eager_cpu_engine_has_no_graphs():
+    engine = tiny_engine(attention_backend="torch")
+    assert engine.runner.decode_graphs is None
+    assert engine.model_info()["cuda_graph_sizes"] == []
+
+
+def _triton_engine(**config):
+    engine = tiny_engine(attention_backend="triton", **config)
+    if not is_triton_usable(engine.device):
+        pytest.skip(f"triton cannot run on {engine.device} here (set TRITON_INTERPRET=1 on CPU)")
+    return engine
+
+
+def test_graph_replayed_decode_matches_transformers_greedy():
+    engine = _triton_engine(block_size=16, max_num_seqs=4)
+    engine.runner.enable_decode_graphs(4, 256, make_graph=EagerReplayGraph)
+    assert sorted(engine.runner.decode_graphs.graphs) == [1, 2, 4]
+    # Different lengths and budgets: the decode batch shrinks 4 -> 3 -> 2 -> 1, so buckets 4
+    # (padded from 3) and 2 and 1 all replay, with stale rows from the larger batches.
+    prompts = [list(range(5, 26)), list(range(40, 47)), [3] * 18, list(range(60, 64))]
+    budgets = [3, 5, 7, 9]
+    for prompt, n in zip(prompts, budgets, strict=True):
+        engine.add_request(
+            f"r{n}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert engine.runner.num_graph_steps >= 6  # every decode step after the prompts
+    reference = greedy_reference(tiny_hf_model())
+    for prompt, n in zip(prompts, budgets, strict=True):
+        assert done[f"r{n}"] == reference(prompt, n), n
+    assert engine.kv.pool.num_free == engine.num_blocks
+
+
+def test_padding_rows_write_no_kv_and_real_rows_match_eager():
+    engine = _triton_engine(block_size=4, max_num_seqs=4)
+    runner = engine.runner
+    runner.enable_decode_graphs(4, 64, make_graph=EagerReplayGraph)
+    graphs = runner.decode_graphs
+    gen = torch.Generator().manual_seed(0)
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=gen))
+    # Stale buffers from an earlier, larger batch: row 3 points at a real slot of block 9.
+    graphs.slot_mapping[3] = 9 * 4 + 1
+    graphs.seq_lens[3] = 7
+    graphs.block_tables[3, :2] = torch.tensor([9, 10])
+
+    seq_lens = [6, 3, 9]  # 3 sequences -> bucket 4, one padding row
+    tables = torch.tensor([[0, 1, -1], [2, -1, -1], [3, 4, 5]], dtype=torch.int32)
+    positions = torch.tensor([n - 1 for n in seq_lens])
+    slots = torch.tensor([int(tables[i, p // 4]) * 4 + p % 4 for i, p in enumerate(positions)])
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(4, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=[1, 1, 1],
+        seq_lens_cpu=seq_lens,
+    )
+    step = SimpleNamespace(input_ids=torch.tensor([7, 8, 9]), positions=positions, meta=meta)
+    before = runner.kv_cache.clone()
+    assert graphs.can_run(step)
+    hidden = graphs.run(step).clone()
+
+    changed = (runner.kv_cache != before).flatten(0, 1).any(dim=(3, 4))  # [L*2, blocks, offset]
+    written = {(int(b), int(o)) for b, o in changed.any(dim=0).nonzero()}
+    assert written == {(int(s) // 4, int(s) % 4) for s in slots}
+
+    runner.kv_cache.copy_(before)
+    eager = runner.model.forward(step.input_ids, positions, runner.kv_caches, meta, runner.backend)
+    torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_and_oversized_steps_stay_eager():
+    engine = _triton_engine(block_size=4, max_num_seqs=2)
+    engine.runner.enable_decode_graphs(2, 16, make_graph=EagerReplayGraph)
+    graphs = engine.runner.decode_graphs
+
+    def step(num_seqs: int, query_len: int, width: int):
+        meta = SimpleNamespace(
+            num_seqs=num_seqs, max_query_len=query_len, block_tables=torch.zeros(num_seqs, width)
+        )
+        return SimpleNamespace(input_ids=torch.zeros(num_seqs * query_len), meta=meta)
+
+    assert graphs.can_run(step(2, 1, 4))
+    assert not graphs.can_run(step(2, 5, 4))  # a prompt chunk
+    assert not graphs.can_run(step(3, 1, 4))  # more sequences than the largest graph
+    assert not graphs.can_run(step(1, 1, 5))  # a longer block table than max_model_len allows
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_captures_graphs_and_matches_eager():
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [list(range(5, 26)), list(range(40, 47)), [3] * 18]
+    graphs = tiny_engine(device="cuda", attention_backend="triton", max_num_seqs=8)
+    assert graphs.model_info()["cuda_graph_sizes"] == [1, 2, 4, 8]
+    eager = tiny_engine(device="cuda", attention_backend="triton", cuda_graphs=False)
+    assert eager.runner.decode_graphs is None
+    ours = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert graphs.runner.num_graph_steps > 0
+    assert ours == [o.token_ids for o in eager.generate(prompts, params)]
