@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
+        "--decode-weights",
+        default=None,
+        choices=("dense", "int4"),
+        help="int4: 4-bit weight copies for decode on CPU, ~2x faster replies (remembered)",
+    )
+    g.add_argument(
         "--engine-args",
         default="",
         help="more `python -m engine_proc serve` options, as one shell-quoted string",
@@ -157,23 +163,26 @@ def _engine_options(args: argparse.Namespace, settings) -> Any:
     """Command-line values win; the rest come from the last session (QSettings)."""
     from app.supervisor import EngineOptions
 
-    def pick(name: str, kind: type):
+    def pick(name: str, kind: type, choices: tuple[str, ...] | None = None):
         v = getattr(args, name)
         if v is not None:
             settings.setValue(f"engine/{name}", v)
             return v
         stored = settings.value(f"engine/{name}")
         try:
-            return kind(stored) if stored not in (None, "") else None
+            value = kind(stored) if stored not in (None, "") else None
         except (TypeError, ValueError):
             return None
+        # A hand-edited or stale settings file must not stop the engine from starting.
+        return None if choices and value not in choices else value
 
     return EngineOptions(
         model=pick("model", str),
-        dtype=pick("dtype", str),
+        dtype=pick("dtype", str, ("float32", "bfloat16", "float16")),
         device=pick("device", str),
         num_kv_blocks=pick("num_kv_blocks", int),
         max_model_len=pick("max_model_len", int),
+        decode_weights=pick("decode_weights", str, ("dense", "int4")),
         extra_args=shlex.split(args.engine_args),
     )
 

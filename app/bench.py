@@ -37,7 +37,7 @@ WORKLOADS = ("single", "prefill", "mixed", "mixed-poisson", "shared-prefix", "in
 BASELINE = "hf"
 # Which systems each workload compares (llamacpp only where it is a like-for-like serving test).
 WORKLOAD_SYSTEMS = {
-    "single": ("kvscope", "hf", "llamacpp"),
+    "single": ("kvscope", "kvscope-int4", "hf", "llamacpp"),
     "prefill": ("kvscope", "hf", "llamacpp"),
     "mixed": ("kvscope", "hf", "llamacpp"),
     "mixed-poisson": ("kvscope", "hf"),
@@ -348,6 +348,9 @@ def build_rows(summary: dict[str, dict[str, dict]], ceilings: dict | None) -> li
         return row
 
     compare("single", "decode tok/s (1/TPOT)", "decode_tok_s", op=">=", bound=2.0)
+    if get("single", "kvscope-int4", "decode_tok_s") is not None:
+        compare("single", "decode tok/s, int4 decode weights", "decode_tok_s",
+                system="kvscope-int4", op=">=", bound=2.0)
     compare("single", "TTFT p50 s", "ttft_p50", lower_is_better=True)
     for other in ("llamacpp",):
         if get("single", other, "decode_tok_s") is not None:

@@ -38,6 +38,7 @@ class EngineOptions:
     device: str | None = None
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
+    decode_weights: str | None = None
     # The engine checks client silence only between steps, so one long CPU step could make it
     # drop the GUI (and abort its requests); the GUI is its only client, so be patient.
     client_timeout: float | None = 120.0
@@ -48,6 +49,7 @@ class EngineOptions:
         for flag, value in (("--model", self.model), ("--dtype", self.dtype),
                             ("--device", self.device), ("--num-kv-blocks", self.num_kv_blocks),
                             ("--max-model-len", self.max_model_len),
+                            ("--decode-weights", self.decode_weights),
                             ("--client-timeout", self.client_timeout)):
             if value is not None:
                 args += [flag, str(value)]

@@ -30,6 +30,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph capture)"
     )
+    p.add_argument(
+        "--decode-weights",
+        default="dense",
+        choices=("dense", "int4"),
+        help="int4: 4-bit weight copies for decode-sized products on CPU (faster decode)",
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -52,6 +58,7 @@ def run_generate(args: argparse.Namespace) -> int:
             num_threads=args.threads,
             attention_backend=args.attention_backend,
             cuda_graphs=not args.no_cuda_graphs,
+            decode_weights=args.decode_weights,
         ),
         progress=_print_progress,
     )

@@ -7,8 +7,9 @@
 per (system, workload, repeat), so every system gets byte-identical inputs and none inherits
 another's warm state or memory. Systems:
 
-- kvscope, kvscope-nocache (prefix caching off), kvscope-nochunk (long_prefill_chunk 0 and a
-  token budget that holds the longest prompt): the in-process LLMEngine.
+- kvscope, kvscope-int4 (4-bit decode weights), kvscope-nocache (prefix caching off),
+  kvscope-nochunk (long_prefill_chunk 0 and a token budget that holds the longest prompt): the
+  in-process LLMEngine.
 - hf: transformers `generate()` with static batching (left padding, batches of up to
   `hf_batch` requests in arrival order, a batch runs until its longest request is done).
 - llamacpp: llama-cpp-python when importable, else a `skipped` result with the reason.
@@ -44,7 +45,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("kvscope", "kvscope-nocache", "kvscope-nochunk", "hf", "llamacpp", "ceilings")
+SYSTEMS = (
+    "kvscope",
+    "kvscope-int4",
+    "kvscope-nocache",
+    "kvscope-nochunk",
+    "hf",
+    "llamacpp",
+    "ceilings",
+)
 DTYPES = ("float32", "bfloat16", "float16")
 SNAPSHOT_EVERY = 4  # engine steps between KV occupancy samples
 WARMUP_PROMPT = list(range(100, 132))  # 32 ordinary token ids of any Llama-family vocabulary
@@ -286,7 +295,9 @@ def engine_config_for(system: str, workload: dict, args: argparse.Namespace) -> 
     block = kw.get("block_size", 16)
     need = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // block) for r in reqs)
     kw.setdefault("num_kv_blocks", args.kv_blocks or need + 64)
-    if system == "kvscope-nocache":
+    if system == "kvscope-int4":
+        kw["decode_weights"] = "int4"
+    elif system == "kvscope-nocache":
         kw["enable_prefix_caching"] = False
     elif system == "kvscope-nochunk":
         kw["long_prefill_chunk"] = 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_BACKENDS = ("auto", "torch", "triton")
+SUPPORTED_DECODE_WEIGHTS = ("dense", "int4")
 
 
 @dataclass(slots=True)
@@ -24,6 +25,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Decode steps replayed from CUDA graphs (CUDA + Triton backend only); False = always eager.
     cuda_graphs: bool = True
+    # "int4": CPU decode-sized products read 4-bit copies of the linear weights (models/int4.py);
+    # prompt-sized products keep the dense weights.
+    decode_weights: str = "dense"
     seed: int = 0  # seeds requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU
 
@@ -34,6 +38,11 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {SUPPORTED_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.decode_weights not in SUPPORTED_DECODE_WEIGHTS:
+            raise ValueError(
+                f"decode_weights must be one of {SUPPORTED_DECODE_WEIGHTS}, "
+                f"got {self.decode_weights!r}"
             )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")

@@ -54,7 +54,9 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        self.model = LlamaModel(mc, ckpt.weights, self.dtype, self.device, self.max_model_len)
+        self.model = LlamaModel(
+            mc, ckpt.weights, self.dtype, self.device, self.max_model_len, config.decode_weights
+        )
         del ckpt
         self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype.itemsize)
         self.block_size = config.block_size
@@ -446,6 +448,7 @@ class LLMEngine:
             "dtype": self.config.dtype,
             "device": str(self.device),
             "attention_backend": self.backend.name,
+            "decode_weights": self.config.decode_weights,
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "kv_bytes_per_token": self.kv_bytes_per_token,

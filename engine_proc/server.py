@@ -760,6 +760,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph capture)"
     )
+    g.add_argument(
+        "--decode-weights",
+        default="dense",
+        choices=("dense", "int4"),
+        help="int4: 4-bit weight copies for decode-sized products on CPU (faster decode)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # "module:callable"
     s = parser.add_argument_group("serving")
@@ -827,6 +833,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         seed=args.seed,
         num_threads=args.num_threads,
         cuda_graphs=not args.no_cuda_graphs,
+        decode_weights=args.decode_weights,
     )
     for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk"):
         if getattr(args, name) is not None:

@@ -128,6 +128,7 @@ class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     vocab_size: int = 0
     attention_backend: str = ""
     kv_pool_bytes: int = 0  # num_blocks x block_size x kv_bytes_per_token
+    decode_weights: str = ""  # "dense" or "int4" (4-bit copies for decode-sized products)
     cuda_graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs; [] = eager
 
 

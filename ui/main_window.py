@@ -226,6 +226,8 @@ class MainWindow(QMainWindow):
         engine_bits = [m.name, m.architecture, m.device, m.dtype]
         if m.attention_backend:
             engine_bits.append(f"{m.attention_backend} attention")
+        if m.decode_weights == "int4":
+            engine_bits.append("int4 decode weights")
         if m.cuda_graph_sizes:
             engine_bits.append(f"CUDA graphs ≤{m.cuda_graph_sizes[-1]} seqs")
         self.model_label.setText(" · ".join(engine_bits))

@@ -10,6 +10,9 @@ import torch.nn.functional as F
 
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
 from engine_proc.models.config import ModelConfig
+from engine_proc.models.int4 import MAX_ROWS, Int4Weight, int4_matmul, quantize_int4
+
+DECODE_WEIGHTS = ("dense", "int4")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -92,6 +95,17 @@ class LlamaLayer:
         self.down_weight = w[f"{mlp}.down_proj.weight"].contiguous()
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
+        # 4-bit copies for decode-sized products (see models/int4.py); None = dense only.
+        self.qkv_int4: Int4Weight | None = None
+        self.o_int4: Int4Weight | None = None
+        self.gate_up_int4: Int4Weight | None = None
+        self.down_int4: Int4Weight | None = None
+
+    def pack_int4(self) -> None:
+        self.qkv_int4 = quantize_int4(self.qkv_weight)
+        self.o_int4 = quantize_int4(self.o_weight)
+        self.gate_up_int4 = quantize_int4(self.gate_up_weight)
+        self.down_int4 = quantize_int4(self.down_weight)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -106,16 +120,25 @@ def cpu_has_native_bf16() -> bool:
 
 
 class Linear:
-    """F.linear, except that on CPUs without native bf16 a bf16 product of more than a couple
-    of rows (prefill, batched decode) runs in float32 on upcast weights: the upcast reads the
-    weights once, which costs far less than the emulated bf16 GEMM would."""
+    """F.linear, except that
+    - a product of at most ``MAX_ROWS`` rows uses the 4-bit copy of the weight when there is one;
+    - on CPUs without native bf16 a bf16 product of more than a couple of rows (prefill, batched
+      decode) runs in float32 on upcast weights: the upcast reads the weights once, which costs
+      far less than the emulated bf16 GEMM would."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.upcast = dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16()
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: Int4Weight | None = None,
     ) -> torch.Tensor:
+        if packed is not None and x.shape[0] <= MAX_ROWS:
+            out = int4_matmul(x, packed)
+            return out if bias is None else out + bias
         if self.upcast and x.shape[0] > 2:
             b = None if bias is None else bias.float()
             return F.linear(x.float(), weight.float(), b).to(x.dtype)
@@ -140,7 +163,12 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        decode_weights: str = "dense",
     ) -> None:
+        if decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(
+                f"decode_weights must be one of {DECODE_WEIGHTS}, got {decode_weights!r}"
+            )
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -154,6 +182,42 @@ class LlamaModel:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.linear = Linear(device, dtype)
+        self.decode_weights = decode_weights
+        self.lm_head_decode: torch.Tensor | None = None  # bf16 copy for decode (int4 mode)
+        self.lm_head_decode_rows = 0
+        if decode_weights == "int4":
+            self._pack_int4()
+
+    def _pack_int4(self) -> None:
+        from engine_proc.models.int4 import GROUP_SIZE, int4_kernels_available
+
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"decode_weights='int4' runs on the CPU only (torch's int4 CPU kernel); the model "
+                f"is on {self.device}: use decode_weights='dense'"
+            )
+        if not int4_kernels_available():
+            raise ValueError(
+                f"decode_weights='int4' needs torch's int4 CPU kernels, missing in torch "
+                f"{torch.__version__}: use decode_weights='dense'"
+            )
+        cfg = self.config
+        for name, dim in (
+            ("hidden_size", cfg.hidden_size),
+            ("intermediate_size", cfg.intermediate_size),
+        ):
+            if dim % GROUP_SIZE:
+                raise ValueError(
+                    f"decode_weights='int4' needs {name} divisible by {GROUP_SIZE}, got {dim}"
+                )
+        for layer in self.layers:
+            layer.pack_int4()
+        # The output projection (often the largest matrix: vocab x hidden) is kept in bfloat16,
+        # not 4 bits: it holds the logits' precision, and bf16 already halves a float32 read.
+        # Without native bf16 the CPU's bf16 product is fast for one or two rows only.
+        if self.dtype == torch.float32:
+            self.lm_head_decode = self.lm_head.to(torch.bfloat16)
+            self.lm_head_decode_rows = MAX_ROWS if cpu_has_native_bf16() else 2
 
     @torch.inference_mode()
     def forward(
@@ -170,7 +234,7 @@ class LlamaModel:
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = self.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = self.linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_int4)
             # One rotary pass over q and k together (they are adjacent columns of qkv).
             qk = qkv[:, : self.q_size + self.kv_size].view(-1, qk_heads, cfg.head_dim)
             qk = self.rotary.apply(qk, cos, sin)
@@ -178,12 +242,14 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
             backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
-            h = h + self.linear(attn.reshape(-1, self.q_size), layer.o_weight)
+            h = h + self.linear(attn.reshape(-1, self.q_size), layer.o_weight, None, layer.o_int4)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = self.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = self.linear(x, layer.gate_up_weight, None, layer.gate_up_int4).chunk(2, -1)
+            h = h + self.linear(F.silu(gate) * up, layer.down_weight, None, layer.down_int4)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_decode is not None and hidden.shape[0] <= self.lm_head_decode_rows:
+            return F.linear(hidden.to(torch.bfloat16), self.lm_head_decode).float()
         return self.linear(hidden, self.lm_head).float()

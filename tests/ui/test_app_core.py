@@ -141,3 +141,31 @@ def test_subcommands_are_lazy(monkeypatch, capsys):
     monkeypatch.setitem(app_main.SUBCOMMANDS, "chat", "fake_sub")
     assert app_main.main(["chat", "-x"]) == 0
     assert called["argv"] == ["-x"]
+
+
+class _DictSettings:
+    def __init__(self, values: dict) -> None:
+        self.values = dict(values)
+
+    def value(self, key: str):
+        return self.values.get(key)
+
+    def setValue(self, key: str, value) -> None:  # noqa: N802 - QSettings' name
+        self.values[key] = value
+
+
+def test_engine_options_remember_flags_and_ignore_stale_settings():
+    from app.supervisor import EngineOptions
+
+    parse = app_main.build_parser().parse_args
+    settings = _DictSettings({})
+    opts = app_main._engine_options(parse(["--decode-weights", "int4"]), settings)
+    assert isinstance(opts, EngineOptions) and opts.decode_weights == "int4"
+    assert "--decode-weights" in opts.to_args() and "int4" in opts.to_args()
+    # Next start without the flag: remembered.
+    assert app_main._engine_options(parse([]), settings).decode_weights == "int4"
+    # A stale or hand-edited value is dropped instead of crashing the engine at start.
+    bad = _DictSettings({"engine/decode_weights": "int3", "engine/dtype": "float8"})
+    opts = app_main._engine_options(parse([]), bad)
+    assert opts.decode_weights is None and opts.dtype is None
+    assert "--decode-weights" not in opts.to_args()
