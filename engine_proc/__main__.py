@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from engine_proc.config import SUPPORTED_DTYPES
+from engine_proc.config import SUPPORTED_DTYPES, add_kernel_arguments, kernel_options
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -26,16 +26,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
-    p.add_argument(
-        "--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph capture)"
-    )
-    p.add_argument(
-        "--decode-weights",
-        default="dense",
-        choices=("dense", "int4"),
-        help="int4: 4-bit weight copies for decode-sized products on CPU (faster decode)",
-    )
+    add_kernel_arguments(p)
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -56,9 +47,7 @@ def run_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             num_threads=args.threads,
-            attention_backend=args.attention_backend,
-            cuda_graphs=not args.no_cuda_graphs,
-            decode_weights=args.decode_weights,
+            **kernel_options(args),
         ),
         progress=_print_progress,
     )

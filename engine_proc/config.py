@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -64,3 +65,26 @@ def check_limits(max_num_seqs: int, max_num_batched_tokens: int, long_prefill_ch
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def add_kernel_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The attention-backend / CUDA-graph / decode-weight flags shared by `serve` and
+    `generate`; `kernel_options(args)` turns them into EngineConfig keywords."""
+    parser.add_argument("--attention-backend", default="auto", choices=SUPPORTED_BACKENDS)
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph capture)"
+    )
+    parser.add_argument(
+        "--decode-weights",
+        default="dense",
+        choices=SUPPORTED_DECODE_WEIGHTS,
+        help="int4: 4-bit weight copies for decode-sized products on CPU (faster decode)",
+    )
+
+
+def kernel_options(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "attention_backend": args.attention_backend,
+        "cuda_graphs": not args.no_cuda_graphs,
+        "decode_weights": args.decode_weights,
+    }

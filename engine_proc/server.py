@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine_proc.config import add_kernel_arguments, kernel_options
 from ipc import endpoints as E
 from ipc import protocol as P
 
@@ -755,17 +756,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--long-prefill-chunk", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    g.add_argument(
-        "--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph capture)"
-    )
-    g.add_argument(
-        "--decode-weights",
-        default="dense",
-        choices=("dense", "int4"),
-        help="int4: 4-bit weight copies for decode-sized products on CPU (faster decode)",
-    )
+    add_kernel_arguments(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # "module:callable"
     s = parser.add_argument_group("serving")
@@ -829,11 +821,9 @@ def build_engine(args: argparse.Namespace) -> Any:
         num_kv_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend,
         seed=args.seed,
         num_threads=args.num_threads,
-        cuda_graphs=not args.no_cuda_graphs,
-        decode_weights=args.decode_weights,
+        **kernel_options(args),
     )
     for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk"):
         if getattr(args, name) is not None:
