@@ -111,6 +111,10 @@ class LLMEngine:
         except Exception:  # a driver or capture problem costs speed, never service
             logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
             self.runner.decode_graphs = None
+            # A capture invalidated mid-way can leave its side stream current: serve on the
+            # device's default stream again.
+            torch.cuda.synchronize(self.device)
+            torch.cuda.set_stream(torch.cuda.default_stream(self.device))
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -486,6 +490,14 @@ def _resolve_device(device: str) -> torch.device:
         raise ValueError(
             "device 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'"
         )
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r}: this machine has CUDA devices 0..{count - 1}")
+        # Triton launches, CUDA graph capture and their streams all follow the *current*
+        # device: make it the engine's, or cuda:1 would get kernels aimed at cuda:0.
+        torch.cuda.set_device(dev)
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

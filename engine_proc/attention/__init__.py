@@ -15,11 +15,24 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "se
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'auto': Triton on CUDA, the torch reference elsewhere; 'torch' / 'triton' force one."""
+    """'auto': Triton on CUDA (when it can run there), the torch reference elsewhere;
+    'torch' / 'triton' force one."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(
+            f"attention_backend must be one of ('auto', 'torch', 'triton'), got {name!r}"
+        )
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
-    if name in ("auto", "triton"):
-        from engine_proc.attention.triton_backend import TritonAttentionBackend
+    from engine_proc.attention import triton_backend as tb
 
-        return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be one of ('auto', 'torch', 'triton'), got {name!r}")
+    if not tb.is_triton_usable(device):
+        why = (
+            "TRITON_INTERPRET=1 is set (the interpreter runs on CPU tensors only)"
+            if tb.kernels_interpreted()
+            else "triton is missing or the GPU's compute capability is below 7.5"
+        )
+        if name == "auto":
+            logger.warning("Triton cannot run on %s: %s; using torch attention", device, why)
+            return TorchAttentionBackend()
+        raise ValueError(f"attention_backend='triton' cannot run on {device}: {why}")
+    return tb.TritonAttentionBackend()

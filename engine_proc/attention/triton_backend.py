@@ -150,8 +150,9 @@ if triton is not None:
         else:
             return tl.dot(a, b, input_precision=DOT_PRECISION)
 
-    # The sequence/table sizes change every step: specializing on them would only recompile.
-    @triton.jit(do_not_specialize=["num_seqs", "max_blocks_per_seq"])
+    # The sequence count and block-table width change every step: specializing on them (== 1,
+    # divisible by 16) would JIT-compile new variants while serving.
+    @triton.jit(do_not_specialize=["num_seqs", "max_blocks_per_seq", "bt_stride_s"])
     def _paged_attention_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
         query_ptr,  # [num_tokens, num_heads, head_dim], last dim contiguous

@@ -1,0 +1,28 @@
+"""engine_proc.attention.select_backend: auto picks what can run, forced names fail clearly."""
+
+import logging
+
+import pytest
+import torch
+
+from engine_proc.attention import select_backend
+from engine_proc.attention import triton_backend as tb
+
+
+def test_auto_is_torch_on_cpu_and_bad_names_are_listed():
+    assert select_backend("auto", torch.device("cpu")).name == "torch"
+    assert select_backend("torch", torch.device("cpu")).name == "torch"
+    with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'triton'\), got 'flash'"):
+        select_backend("flash", torch.device("cpu"))
+
+
+@pytest.mark.skipif(not tb.kernels_interpreted(), reason="needs TRITON_INTERPRET=1 at import")
+def test_interpreted_kernels_serve_cpu_only(caplog):
+    assert select_backend("triton", torch.device("cpu")).name == "triton"
+    # With the interpreter on, kernels cannot take CUDA tensors: auto falls back with a
+    # warning, a forced triton says why.
+    with caplog.at_level(logging.WARNING):
+        assert select_backend("auto", torch.device("cuda")).name == "torch"
+    assert "TRITON_INTERPRET=1" in caplog.text
+    with pytest.raises(ValueError, match="triton' cannot run on cuda: TRITON_INTERPRET=1"):
+        select_backend("triton", torch.device("cuda"))
