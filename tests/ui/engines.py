@@ -27,6 +27,7 @@ def tiny_chat(args: argparse.Namespace) -> LLMEngine:
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend="torch",
         num_threads=args.num_threads or 1,
+        decode_weights=args.decode_weights,
     )
     for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk"):
         if getattr(args, name) is not None:

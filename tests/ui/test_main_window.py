@@ -184,3 +184,23 @@ def _left():
     from PySide6.QtCore import Qt
 
     return Qt.MouseButton.LeftButton
+
+
+def test_decode_weights_menu_restarts_the_engine_with_int4(win, qtbot):
+    assert win.decode_weight_actions["dense"].isChecked()
+    win.decode_weight_actions["int4"].trigger()
+    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
+                    and win.welcome.model.decode_weights == "int4", timeout=180_000)
+    assert "int4 decode weights" in win.model_label.text()
+    assert win.settings.value("engine/decode_weights") == "int4"
+    _greedy(win, 6)
+    _send(win, "Quick?")
+    conv = win.chat.current
+    qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
+    assert conv.messages[-1].stats["completion_tokens"] == 6
+    win.set_decode_weights("dense")  # back, for whatever runs next in this module
+    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
+                    and win.welcome.model.decode_weights == "dense", timeout=180_000)
+    assert win.decode_weight_actions["dense"].isChecked()
+    with pytest.raises(ValueError, match="decode weights must be one of"):
+        win.set_decode_weights("int3")
