@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+DECODE_WEIGHTS = ("auto", "dense", "int4")
 SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench"}
 
 
@@ -49,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--decode-weights",
         default=None,
-        choices=("dense", "int4"),
-        help="int4: 4-bit weight copies for decode on CPU, ~2x faster replies (remembered)",
+        choices=DECODE_WEIGHTS,
+        help="int4: 4-bit weight copies for decode on CPU, ~2x faster replies; dense: the "
+        "model's own precision; auto (the default): int4 on a CPU, dense on a GPU (remembered)",
     )
     g.add_argument(
         "--engine-args",
@@ -182,7 +184,7 @@ def _engine_options(args: argparse.Namespace, settings) -> Any:
         device=pick("device", str),
         num_kv_blocks=pick("num_kv_blocks", int),
         max_model_len=pick("max_model_len", int),
-        decode_weights=pick("decode_weights", str, ("dense", "int4")),
+        decode_weights=pick("decode_weights", str, DECODE_WEIGHTS) or "auto",
         extra_args=shlex.split(args.engine_args),
     )
 

@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.add_argument(
         "--decode-weights",
-        default=None,
-        choices=("dense", "int4"),
-        help="int4: 4-bit weight copies for decode on CPU (~2x faster replies)",
+        default="auto",
+        choices=("auto", "dense", "int4"),
+        help="int4: 4-bit weight copies for decode on CPU (~2x faster replies); dense: the "
+        "model's own precision; auto (default): int4 on a CPU, dense on a GPU",
     )
     g.add_argument(
         "--engine-args", default="", help='more `serve` options, e.g. "--num-blocks 512"'

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_BACKENDS = ("auto", "torch", "triton")
-SUPPORTED_DECODE_WEIGHTS = ("dense", "int4")
+SUPPORTED_DECODE_WEIGHTS = ("dense", "int4", "auto")
 
 
 @dataclass(slots=True)
@@ -27,7 +27,8 @@ class EngineConfig:
     # Decode steps replayed from CUDA graphs (CUDA + Triton backend only); False = always eager.
     cuda_graphs: bool = True
     # "int4": CPU decode-sized products read 4-bit copies of the linear weights (models/int4.py);
-    # prompt-sized products keep the dense weights.
+    # prompt-sized products keep the dense weights. "auto": int4 where it can run (CPU), else
+    # dense.
     decode_weights: str = "dense"
     seed: int = 0  # seeds requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU
@@ -78,7 +79,8 @@ def add_kernel_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         "--decode-weights",
         default="dense",
         choices=SUPPORTED_DECODE_WEIGHTS,
-        help="int4: 4-bit weight copies for decode-sized products on CPU (faster decode)",
+        help="int4: 4-bit weight copies for decode-sized products on CPU (faster decode); "
+        "auto: int4 where it can run, dense elsewhere",
     )
 
 

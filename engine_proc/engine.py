@@ -17,7 +17,8 @@ from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.kv_cache_manager import KVCacheManager, root_hash
 from engine_proc.model_loader import Checkpoint, load_checkpoint
 from engine_proc.model_runner import ModelRunner
-from engine_proc.models.llama import LlamaModel
+from engine_proc.models.config import ModelConfig
+from engine_proc.models.llama import LlamaModel, int4_unsupported_reason
 from engine_proc.outputs import RequestMetrics, RequestOutput
 from engine_proc.request import Sequence, SequenceStatus
 from engine_proc.sampler import sample
@@ -54,8 +55,9 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
+        self.decode_weights = _resolve_decode_weights(config.decode_weights, mc, self.device)
         self.model = LlamaModel(
-            mc, ckpt.weights, self.dtype, self.device, self.max_model_len, config.decode_weights
+            mc, ckpt.weights, self.dtype, self.device, self.max_model_len, self.decode_weights
         )
         del ckpt
         self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype.itemsize)
@@ -452,7 +454,7 @@ class LLMEngine:
             "dtype": self.config.dtype,
             "device": str(self.device),
             "attention_backend": self.backend.name,
-            "decode_weights": self.config.decode_weights,
+            "decode_weights": self.decode_weights,
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -477,6 +479,16 @@ class LLMEngine:
             contiguous_bytes_per_request=self.max_model_len * self.kv_bytes_per_token,
             live_config=self.live_config(),
         )
+
+
+def _resolve_decode_weights(choice: str, config: ModelConfig, device: torch.device) -> str:
+    if choice != "auto":
+        return choice
+    why = int4_unsupported_reason(config, device)
+    if why is not None:
+        logger.info("decode weights: dense (int4 %s)", why)
+        return "dense"
+    return "int4"
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -67,7 +67,7 @@ def test_rejects_shapes_it_cannot_pack():
 
 
 def test_engine_config_rejects_unknown_decode_weights():
-    with pytest.raises(ValueError, match=r"decode_weights must be one of \('dense', 'int4'\)"):
+    with pytest.raises(ValueError, match=r"one of \('dense', 'int4', 'auto'\), got 'int3'"):
         tiny_engine(decode_weights="int3")
 
 
@@ -132,6 +132,21 @@ def test_int4_engine_generates_the_dense_engines_greedy_tokens_on_q4_weights():
     ours = [o.token_ids for o in int4.generate(prompts, params)]
     assert ours == [o.token_ids for o in _engine("dense").generate(prompts, params)]
     assert int4.kv.pool.num_free == int4.num_blocks
+
+
+def test_auto_picks_int4_on_the_cpu_and_dense_where_int4_cannot_run():
+    from dataclasses import replace
+
+    from engine_proc.models.llama import int4_unsupported_reason
+
+    assert tiny_engine(decode_weights="auto").model_info()["decode_weights"] == "int4"
+    config = tiny_checkpoint().config
+    assert int4_unsupported_reason(config, torch.device("cpu")) is None
+    assert "CPU only" in int4_unsupported_reason(config, torch.device("meta"))
+    odd = replace(config, hidden_size=48)
+    assert "hidden_size divisible by 32, got 48" in int4_unsupported_reason(
+        odd, torch.device("cpu")
+    )
 
 
 def test_int4_is_refused_off_the_cpu_with_a_clear_error():

@@ -46,6 +46,8 @@ STATE_COLOURS = {
     "not answering": "#f58231", "disconnected": "#e6194b", "stopped": "#8a909c",
 }
 DECODE_WEIGHT_CHOICES = (
+    ("auto", "Automatic (4-bit on a CPU, dense on a GPU)",
+     "what the app starts with unless told otherwise"),
     ("dense", "Dense (the model's own precision)", "exact; prompts and decode on full weights"),
     ("int4", "4-bit for decode (faster on CPU)",
      "4-bit copies of the linear layers for decode steps: ~2x faster replies on a CPU; the "

@@ -153,6 +153,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def int4_unsupported_reason(config: ModelConfig, device: torch.device) -> str | None:
+    """Why 4-bit decode weights cannot be used for this model here, or None when they can."""
+    from engine_proc.models.int4 import GROUP_SIZE, int4_kernels_available
+
+    if device.type != "cpu":
+        return f"runs on the CPU only (torch's int4 CPU kernel), the model is on {device}"
+    if not int4_kernels_available():
+        return f"needs torch's int4 CPU kernels, missing in torch {torch.__version__}"
+    for name, dim in (
+        ("hidden_size", config.hidden_size),
+        ("intermediate_size", config.intermediate_size),
+        ("num_heads x head_dim", config.num_heads * config.head_dim),
+    ):
+        if dim % GROUP_SIZE:
+            return f"needs {name} divisible by {GROUP_SIZE}, got {dim}"
+    return None
+
+
 class LlamaModel:
     """Weights held as plain tensors; no nn.Module machinery on the hot path."""
 
@@ -189,27 +207,9 @@ class LlamaModel:
             self._pack_int4()
 
     def _pack_int4(self) -> None:
-        from engine_proc.models.int4 import GROUP_SIZE, int4_kernels_available
-
-        if self.device.type != "cpu":
-            raise ValueError(
-                f"decode_weights='int4' runs on the CPU only (torch's int4 CPU kernel); the model "
-                f"is on {self.device}: use decode_weights='dense'"
-            )
-        if not int4_kernels_available():
-            raise ValueError(
-                f"decode_weights='int4' needs torch's int4 CPU kernels, missing in torch "
-                f"{torch.__version__}: use decode_weights='dense'"
-            )
-        cfg = self.config
-        for name, dim in (
-            ("hidden_size", cfg.hidden_size),
-            ("intermediate_size", cfg.intermediate_size),
-        ):
-            if dim % GROUP_SIZE:
-                raise ValueError(
-                    f"decode_weights='int4' needs {name} divisible by {GROUP_SIZE}, got {dim}"
-                )
+        why = int4_unsupported_reason(self.config, self.device)
+        if why is not None:
+            raise ValueError(f"decode_weights='int4' {why}: use decode_weights='dense'")
         for layer in self.layers:
             layer.pack_int4()
         # The output projection (often the largest matrix: vocab x hidden) is kept in bfloat16,

@@ -167,5 +167,5 @@ def test_engine_options_remember_flags_and_ignore_stale_settings():
     # A stale or hand-edited value is dropped instead of crashing the engine at start.
     bad = _DictSettings({"engine/decode_weights": "int3", "engine/dtype": "float8"})
     opts = app_main._engine_options(parse([]), bad)
-    assert opts.decode_weights is None and opts.dtype is None
-    assert "--decode-weights" not in opts.to_args()
+    assert opts.decode_weights == "auto" and opts.dtype is None  # the app's default
+    assert opts.to_args()[opts.to_args().index("--decode-weights") + 1] == "auto"
