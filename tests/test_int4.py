@@ -59,6 +59,27 @@ def test_matmul_error_is_within_the_quantization_bound(rows):
     assert got.dtype == x.dtype
 
 
+def test_linear_uses_int4_up_to_max_rows_then_dense_and_adds_the_bias():
+    from engine_proc.models.llama import Linear
+
+    weight, _ = q4_1_matrix(64, 96, seed=3)
+    bias = torch.randn(64)
+    packed = quantize_int4(weight)
+    linear = Linear(torch.device("cpu"), torch.float32)
+    for rows in (1, MAX_ROWS, MAX_ROWS + 1):
+        x = torch.randn(rows, 96)
+        got = linear(x, weight, bias, packed)
+        exact = x @ weight.t() + bias
+        if rows <= MAX_ROWS:  # 4-bit path: bf16 activations, lossless weights
+            assert not torch.equal(got, torch.nn.functional.linear(x, weight, bias))
+            torch.testing.assert_close(got, exact, rtol=2e-2, atol=2e-2)
+        else:  # dense path, bit for bit
+            assert torch.equal(got, torch.nn.functional.linear(x, weight, bias))
+    x = torch.randn(96, 4).t()  # a non-contiguous view (a slice of a fused output)
+    got = linear(x, weight, None, packed)
+    torch.testing.assert_close(got, x @ weight.t(), rtol=2e-2, atol=2e-2)
+
+
 def test_rejects_shapes_it_cannot_pack():
     with pytest.raises(ValueError, match="divisible by 32"):
         quantize_int4(torch.randn(8, 48))
@@ -72,20 +93,14 @@ def test_engine_config_rejects_unknown_decode_weights():
 
 
 def snapped_checkpoint():
-    """The tiny model with every linear weight moved to its nearest Q4_1 level (16 levels per
-    group of 32, bf16 scale and offset): what a GGUF Q4_1 file dequantizes to. 4-bit copies of
-    these weights are lossless, so the int4 engine may differ from the dense one only by its
-    bf16 activations."""
+    """The tiny model with every linear weight replaced by a matrix built from random 4-bit
+    codes, bf16 scales and offsets (what a GGUF Q4_1 file dequantizes to, built independently of
+    the quantizer). 4-bit copies of these weights are lossless, so the int4 engine may differ
+    from the dense one only by its bf16 activations."""
     ck = tiny_checkpoint()
-    for name, w in ck.weights.items():
-        if w.dim() != 2 or "embed" in name or "lm_head" in name:
-            continue
-        g = w.view(w.shape[0], -1, GROUP_SIZE)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).bfloat16().float()
-        zero = (lo + 8 * scale).bfloat16().float()
-        codes = torch.round((g - (zero - 8 * scale)[..., None]) / scale[..., None]).clamp(0, 15)
-        ck.weights[name] = ((codes - 8) * scale[..., None] + zero[..., None]).view_as(w)
+    for i, (name, w) in enumerate(sorted(ck.weights.items())):
+        if w.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            ck.weights[name], _ = q4_1_matrix(*w.shape, seed=i)
     return ck
 
 

@@ -50,8 +50,8 @@ DECODE_WEIGHT_CHOICES = (
      "what the app starts with unless told otherwise"),
     ("dense", "Dense (the model's own precision)", "exact; prompts and decode on full weights"),
     ("int4", "4-bit for decode (faster on CPU)",
-     "4-bit copies of the linear layers for decode steps: ~2x faster replies on a CPU; the "
-     "default model's Q4_1 weights are reproduced exactly, activations run in bf16"),
+     "4-bit copies of the linear layers for steps of up to 16 tokens: ~2x faster replies on a "
+     "CPU; the default model's own Q4_1 codes, activations in bf16"),
 )
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "fp8": 1, "int8": 1}
 
@@ -60,7 +60,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "fp8": 1
 class EngineSource:
     connect: str | None = None  # attach to this endpoint instead of spawning
     options: EngineOptions = field(default_factory=EngineOptions)
-    command: list[str] | None = None  # full engine command (tests); default engine_command()
+    # Engine command without option flags (tests); `options.to_args()` is appended at start.
+    # Default: engine_command(options).
+    command: list[str] | None = None
     token: str | None = None
     stall_timeout: float = 30.0  # one CPU step under load can take seconds
     # the spawned engine runs at a lower CPU priority so that, when the cores are contended
@@ -211,7 +213,7 @@ class MainWindow(QMainWindow):
         restart.setShortcut(QKeySequence("Ctrl+Shift+R"))
         restart.triggered.connect(self.restart_engine)
         menu.addAction(restart)
-        weights = menu.addMenu("&Decode weights")
+        weights = self.decode_weights_menu = menu.addMenu("&Decode weights")
         group = QActionGroup(self)
         self.decode_weight_actions: dict[str, QAction] = {}
         for value, label, tip in DECODE_WEIGHT_CHOICES:
@@ -223,8 +225,12 @@ class MainWindow(QMainWindow):
             self.decode_weight_actions[value] = action
         weights.setToolTipsVisible(True)
         current = self.source.options.decode_weights or "dense"
-        self.decode_weight_actions[current].setChecked(True)
+        actions = self.decode_weight_actions
+        actions.get(current, actions["dense"]).setChecked(True)
         group.triggered.connect(lambda a: self.set_decode_weights(a.data()))
+        if self.source.connect:  # an attached engine keeps what it was started with
+            weights.setEnabled(False)
+            weights.setToolTip("set when the engine starts; this window attached to a running one")
 
     def set_decode_weights(self, value: str) -> None:
         """Remember the choice and restart a spawned engine with it (an attached engine keeps

@@ -7,11 +7,12 @@ offset per group, as GGUF's Q4_1) reads 1/8 of the float32 bytes. torch ships th
 (``_weight_int4pack_mm_for_cpu``: bfloat16 activations, in-register dequantization).
 
 The default model's linear layers are stored as Q4_1 in its GGUF; min/max re-quantization of
-their dequantized values recovers the same 16 levels per group (the group's extremes are levels
-0 and 15), so this reproduces the file's own weights up to bfloat16 rounding of the scale and
-offset. The kernel is slower than a float32 GEMM once a product has more than a few rows, so
-products with more than ``MAX_ROWS`` rows (prompt chunks, large decode batches) keep using the
-dense weights, which stay loaded beside the packed ones (+1/8 of the float32 weight memory).
+their dequantized values recovers the same 4-bit codes (the group's extremes are codes 0 and 15);
+the scale and offset, float16 in the file, are rounded to bfloat16 here (values move by up to
+~0.1 of a quantization step). The kernel is slower than a float32 GEMM once a product has more
+than a few rows, so products with more than ``MAX_ROWS`` rows in a step (long prompt chunks,
+large decode batches) use the dense weights, which stay loaded beside the packed ones (+1/8 of
+the float32 weight memory, plus the model's bf16 output-projection copy).
 """
 
 from __future__ import annotations
@@ -67,6 +68,6 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Wei
 def int4_matmul(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """x [rows, in] @ weight.T -> [rows, out] in x's dtype (computed from bfloat16 inputs)."""
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.to(torch.bfloat16), weight.packed, GROUP_SIZE, weight.scales_zeros
+        x.to(torch.bfloat16).contiguous(), weight.packed, GROUP_SIZE, weight.scales_zeros
     )
     return out.to(x.dtype)

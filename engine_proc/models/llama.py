@@ -161,13 +161,17 @@ def int4_unsupported_reason(config: ModelConfig, device: torch.device) -> str | 
         return f"runs on the CPU only (torch's int4 CPU kernel), the model is on {device}"
     if not int4_kernels_available():
         return f"needs torch's int4 CPU kernels, missing in torch {torch.__version__}"
-    for name, dim in (
-        ("hidden_size", config.hidden_size),
-        ("intermediate_size", config.intermediate_size),
-        ("num_heads x head_dim", config.num_heads * config.head_dim),
-    ):
-        if dim % GROUP_SIZE:
-            return f"needs {name} divisible by {GROUP_SIZE}, got {dim}"
+    # torch packs groups of 32 along the input and needs outputs in multiples of 16.
+    c = config
+    for name, dim, multiple in (
+        ("hidden_size", c.hidden_size, GROUP_SIZE),
+        ("intermediate_size", c.intermediate_size, GROUP_SIZE),
+        ("num_heads x head_dim", c.num_heads * c.head_dim, GROUP_SIZE),
+        ("(num_heads + 2 x num_kv_heads) x head_dim", (c.num_heads + 2 * c.num_kv_heads)
+         * c.head_dim, 16),
+    ):  # fmt: skip
+        if dim % multiple:
+            return f"needs {name} divisible by {multiple}, got {dim}"
     return None
 
 

@@ -56,3 +56,12 @@ def test_env_var_moves_the_data_dir(data_dir):
     s.setValue("x/y", 1)
     s.sync()
     assert (data_dir / "settings.ini").exists()
+
+
+def test_decode_weights_menu_is_greyed_out_when_attached(qtbot, tmp_path):
+    w = _window(tmp_path / "data")  # attached (--connect): the engine's weights are not ours
+    qtbot.addWidget(w)
+    actions = w.decode_weight_actions
+    assert actions["dense"].isChecked()
+    assert not w.decode_weights_menu.isEnabled()
+    w.shutdown()
