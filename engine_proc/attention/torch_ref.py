@@ -30,7 +30,7 @@ class _Decode:
     token_idx: torch.Tensor | None  # [B] rows of the flat batch; None: every row, in order
     tables: torch.Tensor  # [B, blocks] with -1 clamped to 0 (masked below)
     max_len: int
-    mask: torch.Tensor  # [B, 1, 1, max_len]
+    mask: torch.Tensor | None  # [B, 1, 1, max_len]; None when every sequence sees max_len keys
 
 
 @dataclass(slots=True)
@@ -127,11 +127,13 @@ def _decode_plan(
     max_len = max(seq_lens)
     rows_t = torch.tensor(rows, device=device)
     tables = meta.block_tables[rows_t, : -(-max_len // block_size)].clamp(min=0)
-    lens = torch.tensor(seq_lens, device=device)
-    mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+    mask = None  # equal lengths (a single stream, always): SDPA's unmasked kernel is faster
+    if min(seq_lens) < max_len:
+        lens = torch.tensor(seq_lens, device=device)
+        mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
     all_rows = len(rows) == len(meta.query_lens_cpu) == sum(meta.query_lens_cpu)
     token_idx = None if all_rows else meta.query_start_loc[rows_t + 1].long() - 1
-    return _Decode(token_idx, tables.contiguous(), max_len, mask[:, None, None, :])
+    return _Decode(token_idx, tables.contiguous(), max_len, mask)
 
 
 def _attend(
