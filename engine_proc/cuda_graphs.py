@@ -190,6 +190,8 @@ class DecodeGraphRunner:
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         width = meta.block_tables.shape[1]
+        # The kernel reads a row only up to its sequence length, so stale entries past `width`
+        # are never used; clearing them keeps a table from ever naming another request's blocks.
         self.block_tables[:size].fill_(-1)
         self.block_tables[:n, :width].copy_(meta.block_tables)
         if size > n:  # padding rows: write nothing, read nothing
