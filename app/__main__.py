@@ -163,7 +163,7 @@ def run_gui(args: argparse.Namespace) -> int:
 
 def _engine_options(args: argparse.Namespace, settings) -> Any:
     """Command-line values win; the rest come from the last session (QSettings)."""
-    from app.supervisor import EngineOptions
+    from app.supervisor import EngineOptions, gui_engine_threads
 
     def pick(name: str, kind: type, choices: tuple[str, ...] | None = None):
         v = getattr(args, name)
@@ -185,6 +185,8 @@ def _engine_options(args: argparse.Namespace, settings) -> Any:
         num_kv_blocks=pick("num_kv_blocks", int),
         max_model_len=pick("max_model_len", int),
         decode_weights=pick("decode_weights", str, DECODE_WEIGHTS) or "auto",
+        # `--engine-args "--num-threads N"` comes later on the command line and wins.
+        num_threads=gui_engine_threads(),
         extra_args=shlex.split(args.engine_args),
     )
 

@@ -169,3 +169,20 @@ def test_engine_options_remember_flags_and_ignore_stale_settings():
     opts = app_main._engine_options(parse([]), bad)
     assert opts.decode_weights == "auto" and opts.dtype is None  # the app's default
     assert opts.to_args()[opts.to_args().index("--decode-weights") + 1] == "auto"
+
+
+def _cpuinfo(cores: int, threads_per_core: int) -> str:
+    return "\n\n".join(f"processor\t: {i}\nphysical id\t: 0\ncore id\t\t: {i // threads_per_core}"
+                       for i in range(cores * threads_per_core))
+
+
+def test_gui_engine_threads_leave_the_window_a_core():
+    from app.supervisor import gui_engine_threads
+
+    assert gui_engine_threads(_cpuinfo(2, 1), logical=2) == 1  # this CI machine's shape
+    assert gui_engine_threads(_cpuinfo(8, 1), logical=8) == 7
+    assert gui_engine_threads(_cpuinfo(4, 2), logical=8) == 4  # SMT siblings serve the GUI
+    assert gui_engine_threads("", logical=1) == 1
+    assert gui_engine_threads("", logical=6) == 5
+    opts = app_main._engine_options(app_main.build_parser().parse_args([]), _DictSettings({}))
+    assert opts.num_threads >= 1 and "--num-threads" in opts.to_args()
