@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
@@ -237,9 +238,15 @@ class MainWindow(QMainWindow):
         whatever it was started with)."""
         if value not in self.decode_weight_actions:
             raise ValueError(f"decode weights must be one of {list(self.decode_weight_actions)}")
-        self.decode_weight_actions[value].setChecked(True)
-        if value == (self.source.options.decode_weights or "dense"):
+        previous = self.source.options.decode_weights or "dense"
+        if value == previous:
+            self.decode_weight_actions[value].setChecked(True)
             return
+        in_flight = len(self.chat.active)
+        if in_flight and not self.source.connect and not self._confirm_restart(in_flight):
+            self.decode_weight_actions[previous].setChecked(True)
+            return
+        self.decode_weight_actions[value].setChecked(True)
         self.source.options.decode_weights = value
         self.settings.setValue("engine/decode_weights", value)
         if self.source.connect:
@@ -249,6 +256,13 @@ class MainWindow(QMainWindow):
             )
             return
         self.restart_engine()
+
+    def _confirm_restart(self, in_flight: int) -> bool:
+        answer = QMessageBox.question(
+            self, "Restart the engine",
+            f"Changing the decode weights restarts the engine: {in_flight} reply(s) in progress "
+            "will stop (the text so far is kept). Restart now?")
+        return answer == QMessageBox.StandardButton.Yes
 
     def _build_status_bar(self) -> None:
         sb = self.statusBar()

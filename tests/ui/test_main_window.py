@@ -186,8 +186,21 @@ def _left():
     return Qt.MouseButton.LeftButton
 
 
-def test_decode_weights_menu_restarts_the_engine_with_int4(win, qtbot):
+def test_decode_weights_menu_restarts_the_engine_with_int4(win, qtbot, monkeypatch):
     assert win.decode_weight_actions["dense"].isChecked()
+    # A reply in progress: the restart is asked about first; "no" leaves everything as it was.
+    _greedy(win, 400)
+    _send(win, "Keep going.")
+    conv = win.chat.current
+    qtbot.waitUntil(lambda: len(conv.messages[-1].content) > 0, timeout=60_000)
+    asked: list[int] = []
+    monkeypatch.setattr(win, "_confirm_restart", lambda n: asked.append(n) or False)
+    before = win.welcome
+    win.decode_weight_actions["int4"].trigger()
+    assert asked == [1] and win.decode_weight_actions["dense"].isChecked()
+    assert win.welcome is before and win.chat.busy(conv.id)
+    win.chat.stop_current()
+    qtbot.waitUntil(lambda: not win.chat.active, timeout=60_000)
     win.decode_weight_actions["int4"].trigger()
     qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
                     and win.welcome.model.decode_weights == "int4", timeout=180_000)
