@@ -310,3 +310,17 @@ def test_app_chat_and_ipc_do_not_load_torch_or_the_engine() -> None:
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_gui_and_app_entry_points_do_not_load_torch_or_the_engine() -> None:
+    code = (
+        "import sys, app.__main__, app.bench, app.supervisor, ui.main_window, ui.demo\n"
+        "banned = ('torch', 'triton', 'engine_proc', 'transformers')\n"
+        "bad = [m for m in banned if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "QT_QPA_PLATFORM": "offscreen"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
