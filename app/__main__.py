@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-DECODE_WEIGHTS = ("auto", "dense", "int4")
+from app.supervisor import DECODE_WEIGHTS, DTYPES
+
 SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench"}
 
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = ap.add_argument_group("spawned engine")
     g.add_argument("--model", default=None, help="GGUF file or HF directory")
-    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--dtype", default=None, choices=DTYPES)
     g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -180,7 +181,7 @@ def _engine_options(args: argparse.Namespace, settings) -> Any:
 
     return EngineOptions(
         model=pick("model", str),
-        dtype=pick("dtype", str, ("float32", "bfloat16", "float16")),
+        dtype=pick("dtype", str, DTYPES),
         device=pick("device", str),
         num_kv_blocks=pick("num_kv_blocks", int),
         max_model_len=pick("max_model_len", int),

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from app.supervisor import DTYPES
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -505,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "kvscope)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for every system (default: all cores when the machine "
                     "is idle, else 1)")

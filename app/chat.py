@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import IO, Any
 
-from app.supervisor import EngineSupervisor
+from app.supervisor import DECODE_WEIGHTS, EngineOptions, EngineSupervisor, engine_command
 from ipc import protocol as P
 from ipc.client import EngineClient, EngineError
 
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--decode-weights",
         default="auto",
-        choices=("auto", "dense", "int4"),
+        choices=DECODE_WEIGHTS,
         help="int4: 4-bit weight copies for decode on CPU (~2x faster replies); dense: the "
         "model's own precision; auto (default): int4 on a CPU, dense on a GPU",
     )
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def start_engine(serve_args: list[str], timeout: float, log: IO[str]) -> EngineSupervisor:
+def start_engine(options: EngineOptions, timeout: float, log: IO[str]) -> EngineSupervisor:
     """Spawn `python -m engine_proc serve` (through the GUI's supervisor) and wait for its
     KVSCOPE_READY line, reporting KVSCOPE_PROGRESS on `log`."""
     settled = threading.Event()
@@ -60,7 +60,7 @@ def start_engine(serve_args: list[str], timeout: float, log: IO[str]) -> EngineS
         log.flush()
 
     engine = EngineSupervisor(
-        [sys.executable, "-m", "engine_proc", "serve", *serve_args],
+        engine_command(options),
         on_progress=progress,
         on_ready=lambda _info: settled.set(),
         on_exit=lambda _code: settled.set(),
@@ -183,19 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     engine: EngineSupervisor | None = None
     endpoint = args.connect
     if endpoint is None:
-        serve_args = ["--endpoint", "tcp://127.0.0.1:*", "--pub-endpoint", "tcp://127.0.0.1:*"]
-        serve_args += ["--log-level", "WARNING"]
-        for flag, value in (
-            ("--model", args.model),
-            ("--dtype", args.dtype),
-            ("--device", args.device),
-            ("--decode-weights", args.decode_weights),
-        ):
-            if value is not None:
-                serve_args += [flag, value]
-        serve_args += shlex.split(args.engine_args)
+        options = EngineOptions(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            decode_weights=args.decode_weights,
+            client_timeout=None,  # the server's own default
+            extra_args=["--log-level", "WARNING", *shlex.split(args.engine_args)],
+        )
         try:
-            engine = start_engine(serve_args, args.startup_timeout, sys.stderr)
+            engine = start_engine(options, args.startup_timeout, sys.stderr)
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

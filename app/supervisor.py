@@ -23,10 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ipc.protocol import PROGRESS_PREFIX, READY_PREFIX
+
 log = logging.getLogger(__name__)
 
-READY_PREFIX = "KVSCOPE_READY"
-PROGRESS_PREFIX = "KVSCOPE_PROGRESS"
+# What `engine_proc serve` accepts (app/ must not import engine_proc to ask it).
+DTYPES = ("float32", "bfloat16", "float16")
+DECODE_WEIGHTS = ("auto", "dense", "int4")
 
 
 @dataclass(slots=True)

@@ -67,7 +67,7 @@ def run_generate(args: argparse.Namespace) -> int:
     assert final is not None and final.metrics is not None
     m = final.metrics
     n = len(final.token_ids)
-    decode_tps = (n - 1) / (m.token_times[-1] - m.token_times[0]) if n > 1 else float("nan")
+    decode_tps = 1 / m.tpot if m.tpot is not None else float("nan")
     print()
     print(
         f"[prompt {final.num_prompt_tokens} tokens | TTFT {m.ttft * 1000:.1f} ms | "

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_proc.config import SUPPORTED_DTYPES
+
 logger = logging.getLogger(__name__)
 
 SYSTEMS = (
@@ -54,7 +56,6 @@ SYSTEMS = (
     "llamacpp",
     "ceilings",
 )
-DTYPES = ("float32", "bfloat16", "float16")
 SNAPSHOT_EVERY = 4  # engine steps between KV occupancy samples
 WARMUP_PROMPT = list(range(100, 132))  # 32 ordinary token ids of any Llama-family vocabulary
 WARMUP_TOKENS = 4
@@ -136,6 +137,13 @@ class Issuer:
     def next_time(self) -> float | None:
         times = [self.t0 + r.arrival_s for r in self.pending if r.arrival_s is not None]
         return min(times) if times else None
+
+    def wait_for_next(self, clock: Callable[[], float]) -> None:
+        """Nothing is due and nothing runs: sleep until the next timed arrival."""
+        nxt = self.next_time()
+        if nxt is None:
+            raise ValueError("workload has event-triggered requests that can never arrive")
+        time.sleep(max(0.0, nxt - clock()))
 
 
 def request_results(reqs: list[Req], t0: float) -> list[dict]:
@@ -340,10 +348,7 @@ def run_kvscope(system: str, workload: dict, args: argparse.Namespace) -> dict:
             engine.add_request(r.id, r.prompt, params)
             active[r.id] = r
         if not active:
-            nxt = issuer.next_time()
-            if nxt is None:
-                raise ValueError("workload has event-triggered requests that can never arrive")
-            time.sleep(max(0.0, nxt - clock()))
+            issuer.wait_for_next(clock)
             continue
         for out in engine.step():
             r = by_id[out.request_id]
@@ -493,10 +498,7 @@ def arrived_batches(issuer: Issuer, clock: Callable[[], float], size: int) -> It
     while issuer.pending or queue:
         queue.extend(issuer.due(clock()))
         if not queue:
-            nxt = issuer.next_time()
-            if nxt is None:
-                raise ValueError("workload has event-triggered requests that can never arrive")
-            time.sleep(max(0.0, nxt - clock()))
+            issuer.wait_for_next(clock)
             continue
         batch, queue = queue[:size], queue[size:]
         yield batch
@@ -627,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--quick", action="store_true", help="smaller ceiling measurements")
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
-    ap.add_argument("--dtype", default="float32", choices=DTYPES)
+    ap.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--hf-batch", type=int, default=8, help="static batch size of the hf system")

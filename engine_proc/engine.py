@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -285,7 +286,7 @@ class LLMEngine:
             seq.append_token(token, now)
             self.stats.generation_tokens_total += 1
             self.stats.token_events.append(
-                TokenEvent(self._display_id(seq), seq.num_output_tokens - 1, now)
+                TokenEvent(seq.display_id, seq.num_output_tokens - 1, now)
             )
             hit_stop = seq.detokenizer.add_tokens([token])
             reason = seq.check_stop(hit_stop)
@@ -330,9 +331,7 @@ class LLMEngine:
         for seq in batch.seqs:
             # Blocks hashed for this step never got their K/V: they must not be hit later.
             first_unwritten = seq.num_computed_tokens // self.block_size
-            if seq in self.scheduler.running:
-                self.scheduler.running.remove(seq)
-            self.kv.free(seq, keep_hashes_below=first_unwritten)
+            self.scheduler.remove(seq, keep_hashes_below=first_unwritten)
             outputs.append(self._finish(seq, "error", message))
         for request_id in {s.request_id for s in batch.seqs}:
             for seq in self.requests.get(request_id, []):
@@ -372,10 +371,6 @@ class LLMEngine:
             metrics=seq.metrics,  # token times of every output so far, for streaming clients
         )
 
-    @staticmethod
-    def _display_id(seq: Sequence) -> str:
-        return seq.request_id if seq.index == 0 else f"{seq.request_id}#{seq.index}"
-
     # ----------------------------------------------------------------- batch API
     def generate(
         self,
@@ -408,12 +403,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- live control and state
     def live_config(self) -> dict[str, int | bool]:
-        lim = self.scheduler.limits
-        return {
-            "max_num_seqs": lim.max_num_seqs,
-            "max_num_batched_tokens": lim.max_num_batched_tokens,
-            "long_prefill_chunk": lim.long_prefill_chunk,
-            "enable_prefix_caching": self.kv.enable_caching,
+        return dataclasses.asdict(self.scheduler.limits) | {
+            "enable_prefix_caching": self.kv.enable_caching
         }
 
     def set_limits(

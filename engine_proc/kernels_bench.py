@@ -84,17 +84,25 @@ def build_decode_batch(case: DecodeCase, device: torch.device, seed: int = 0):
     query = torch.randn(
         case.batch, case.num_heads, case.head_dim, generator=gen, device=device, dtype=case.dtype
     )
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((case.batch,), -1, dtype=torch.int64, device=device),
-        query_start_loc=torch.arange(case.batch + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.full((case.batch,), case.context, dtype=torch.int32, device=device),
+    slots = torch.full((case.batch,), -1, dtype=torch.int64, device=device)
+    return query, k_cache, v_cache, decode_metadata(slots, block_tables, case.context)
+
+
+def decode_metadata(
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_len: int
+) -> AttentionMetadata:
+    """One query token per sequence, every sequence ``seq_len`` tokens long."""
+    batch, device = block_tables.shape[0], block_tables.device
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
         block_tables=block_tables,
         max_query_len=1,
-        max_seq_len=case.context,
-        query_lens_cpu=[1] * case.batch,
-        seq_lens_cpu=[case.context] * case.batch,
+        max_seq_len=seq_len,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=[seq_len] * batch,
     )
-    return query, k_cache, v_cache, meta
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, context: int):
@@ -131,16 +139,11 @@ def _bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
 
 def _graph_ms(fn) -> float | None:
     """Median time of ``fn`` replayed from a CUDA graph, or None where capture fails."""
+    from engine_proc.cuda_graphs import CudaGraph
+
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # compile and warm up outside the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = CudaGraph(pool=None)  # warms up (compiles) on a side stream, then captures
+        graph.capture(fn)
         return _bench_ms(graph.replay)
     except Exception as exc:  # a bench row should say n/a, not end the sweep
         print(f"CUDA graph capture failed: {exc!r}", file=sys.stderr)
@@ -196,16 +199,7 @@ def decode_step_input(batch: int, context: int, block_size: int, device: torch.d
     tables = tables.view(batch, blocks_per_seq)
     positions = torch.full((batch,), context, dtype=torch.int64, device=device)
     slots = tables[:, context // block_size].long() * block_size + context % block_size
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device),
-        block_tables=tables,
-        max_query_len=1,
-        max_seq_len=context + 1,
-        query_lens_cpu=[1] * batch,
-        seq_lens_cpu=[context + 1] * batch,
-    )
+    meta = decode_metadata(slots, tables, context + 1)
     input_ids = torch.arange(batch, dtype=torch.int64, device=device) + 100
     return SimpleNamespace(input_ids=input_ids, positions=positions, meta=meta)
 
@@ -285,16 +279,14 @@ def run_decode_steps(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def run_cuda(args: argparse.Namespace) -> int:
-    from engine_proc.attention import triton_backend
+    from engine_proc.attention import select_backend
 
     device = torch.device("cuda")
-    if not triton_backend.is_triton_usable(device):
-        if triton_backend.kernels_interpreted():
-            print("TRITON_INTERPRET=1 is set: unset it to benchmark the compiled kernels")
-        else:
-            print("triton is not usable on this GPU (missing package or compute capability < 7.5)")
+    try:
+        backend = select_backend("triton", device)
+    except ValueError as exc:  # says why (interpreter mode, old GPU, no triton)
+        print(exc)
         return 1
-    backend = triton_backend.TritonAttentionBackend()
     dtype = getattr(torch, args.dtype)
     peak, peak_src = peak_bandwidth_gbps(device)
     name = torch.cuda.get_device_name(device)

@@ -111,7 +111,7 @@ class KVCacheManager:
         # Blocks are indexed when scheduled to be filled: the forward pass writes every layer's
         # K/V before any attention reads it, so a request scheduled later in the same step
         # can already share them.
-        if not self.enable_caching:
+        if not self.enable_caching or first >= num_full:  # no block filled up this step
             return
         hashes = self.full_block_hashes(seq, num_full)
         for i in range(first, num_full):

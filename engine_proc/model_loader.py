@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine_proc.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine_proc.models.llama import llama3_scale
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -377,20 +378,10 @@ def _gguf_rope_scaling(
 
 
 def _llama3_freq_factors(scaling: dict, theta: float, head_dim: int) -> torch.Tensor:
-    """Divisors llama.cpp's converter stores in rope_freqs.weight for these llama3 parameters."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi / (1.0 / theta ** (i / head_dim))
-        if wavelen < old_len / high:
-            out.append(1.0)
-        elif wavelen > old_len / low:
-            out.append(factor)
-        else:
-            smooth = (old_len / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float64)
+    """Divisors llama.cpp's converter stores in rope_freqs.weight for these llama3 parameters:
+    plain inverse frequencies over the ones the engine's rotary tables use."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return inv_freq / llama3_scale(inv_freq, scaling)
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

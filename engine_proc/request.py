@@ -4,7 +4,6 @@ n > 1 forks into n sequences sharing the prompt's blocks after its prompt has be
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 from engine_proc.detokenizer import IncrementalDetokenizer
@@ -17,9 +16,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-_seq_counter = itertools.count()
 
 
 @dataclass(slots=True, eq=False)
@@ -36,7 +32,6 @@ class Sequence:
     max_total_tokens: int  # the context limit this sequence may grow to
     eos_token_ids: frozenset[int]
     num_forks: int = 1  # sequences still to be forked when the first token is sampled
-    seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at last admission
@@ -44,6 +39,11 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, grown lazily
     finish_reason: str | None = None
     error: str | None = None
+
+    @property
+    def display_id(self) -> str:
+        """The request id, with "#index" for the extra sequences of an n > 1 request."""
+        return self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
 
     @property
     def num_tokens(self) -> int:

@@ -22,10 +22,13 @@ def sample(
     """logits: [N, vocab] float32 on any device; positions: index of the token being drawn."""
     assert logits.shape[0] == len(params) == len(seeds) == len(positions)
     tokens = logits.argmax(dim=-1).tolist()
+    if all(p.greedy for p in params):
+        return tokens
+    host = logits.float().cpu()  # one device-to-host copy for every sampled row
     for i, p in enumerate(params):
         if not p.greedy:
             noise = _noise(logits.shape[1], seeds[i], positions[i])
-            tokens[i] = _sample_row(logits[i].float().cpu(), p, noise)
+            tokens[i] = _sample_row(host[i], p, noise)
     return tokens
 
 
@@ -40,9 +43,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, noise: torch.Tensor) ->
     if p.top_k == 0 and p.top_p >= 1.0:
         return int((probs / noise).argmax())
     k = min(probs.shape[0], p.top_k or _CANDIDATES)
-    cand_probs, cand_ids = probs.topk(
-        max(k, min(_CANDIDATES, probs.shape[0])) if not p.top_k else k
-    )
+    cand_probs, cand_ids = probs.topk(k)
     if p.top_p < 1.0:
         if not p.top_k and float(cand_probs.sum()) < p.top_p:
             cand_probs, cand_ids = probs.sort(descending=True)

@@ -5,6 +5,7 @@ blocks run out the most recently started sequence is preempted and recomputed la
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,11 +50,7 @@ class Scheduler:
 
     def set_limits(self, **changes: int | None) -> None:
         new = {k: v for k, v in changes.items() if v is not None}
-        merged = {
-            "max_num_seqs": self.limits.max_num_seqs,
-            "max_num_batched_tokens": self.limits.max_num_batched_tokens,
-            "long_prefill_chunk": self.limits.long_prefill_chunk,
-        } | new
+        merged = dataclasses.asdict(self.limits) | new
         check_limits(**merged)
         self.limits = SchedulerLimits(**merged)
 
@@ -64,9 +61,6 @@ class Scheduler:
         """A sequence forked from a running parent: it runs from the next step on."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -107,8 +101,6 @@ class Scheduler:
             # unless nothing runs (so a large n can never starve).
             if self.running and len(self.running) + seq.num_forks > self.limits.max_num_seqs:
                 break
-            if len(self.running) >= self.limits.max_num_seqs:
-                break
             cached = self.kv.find_cached_prefix(seq)
             num_cached = len(cached) * self.kv.block_size
             n = self._chunk(seq.num_tokens - num_cached, budget)
@@ -131,7 +123,7 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.block_copies.extend(copies)
-        if seq.num_tokens - seq.num_computed_tokens > 1:
+        if seq.is_prefilling:
             batch.num_prefill_tokens += n
         else:
             batch.num_decode_tokens += n
@@ -146,11 +138,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out of the queues and free its blocks."""
+    def remove(self, seq: Sequence, keep_hashes_below: int | None = None) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks (hashes of
+        blocks from `keep_hashes_below` on are dropped: their K/V was never written)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.block_table:
-            self.kv.free(seq)
+            self.kv.free(seq, keep_hashes_below=keep_hashes_below)

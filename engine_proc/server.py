@@ -27,14 +27,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine_proc.config import add_kernel_arguments, kernel_options
+from engine_proc.config import SUPPORTED_DTYPES, add_kernel_arguments, kernel_options
 from ipc import endpoints as E
 from ipc import protocol as P
 
 log = logging.getLogger(__name__)
 
-READY_PREFIX = "KVSCOPE_READY"
-PROGRESS_PREFIX = "KVSCOPE_PROGRESS"
 MAX_MESSAGES_PER_TURN = 256  # ROUTER messages handled between two engine steps
 ROUTER_SNDHWM = 100_000  # replies queued per client before it counts as stuck
 PUB_SNDHWM = 16  # snapshots queued per subscriber; a slow subscriber loses the older ones
@@ -397,7 +395,6 @@ class EngineServer:
                 result=result,
             ),
         )
-        self._telemetry_dirty = True
         self._publish_telemetry()  # the change shows in the very next snapshot
         if msg.op == "shutdown":
             self.request_stop(f"shutdown requested by client {client.name or cid.hex()}")
@@ -570,14 +567,7 @@ class EngineServer:
         self._publish(P.TOPIC_TELEMETRY, msg)
 
     def _live_config(self) -> P.LiveConfig:
-        cfg = self.engine.live_config()
-        return P.LiveConfig(
-            max_num_seqs=int(cfg["max_num_seqs"]),
-            max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
-            long_prefill_chunk=int(cfg["long_prefill_chunk"]),
-            enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
-            paused=self.paused,
-        )
+        return live_config_of(self.engine.live_config(), self.paused)
 
     # ---------------------------------------------------------------- shutdown
 
@@ -655,21 +645,25 @@ def _synthetic_finish(rid: str, index: int, reason: str, why: str) -> P.Finish:
     )
 
 
+def live_config_of(cfg: dict[str, Any], paused: bool) -> P.LiveConfig:
+    """engine.live_config() (or a snapshot's config) plus the server's pause switch."""
+    return P.LiveConfig(
+        max_num_seqs=int(cfg["max_num_seqs"]),
+        max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
+        long_prefill_chunk=int(cfg["long_prefill_chunk"]),
+        enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
+        paused=paused,
+    )
+
+
 def telemetry_from_snapshot(snap: Any, seq: int, paused: bool, num_clients: int) -> P.Telemetry:
     """engine_proc.telemetry_types.EngineSnapshot -> protocol Telemetry."""
     b = snap.blocks
-    cfg = snap.config
     return P.Telemetry(
         seq=seq,
         time=float(snap.time),
         counters={k: float(v) for k, v in snap.counters.items()},
-        config=P.LiveConfig(
-            max_num_seqs=int(cfg["max_num_seqs"]),
-            max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
-            long_prefill_chunk=int(cfg["long_prefill_chunk"]),
-            enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
-            paused=paused,
-        ),
+        config=live_config_of(snap.config, paused),
         blocks=P.BlockArrays.pack(
             state=b.state,
             ref_count=b.ref_count,
@@ -739,7 +733,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
     )
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument(
         "--num-blocks",
@@ -791,7 +785,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _progress(fraction: float, message: str) -> None:
-    print(f"{PROGRESS_PREFIX} {fraction:.2f} {message}", flush=True)
+    print(f"{P.PROGRESS_PREFIX} {fraction:.2f} {message}", flush=True)
 
 
 class _Progress:
@@ -896,7 +890,7 @@ def run(args: argparse.Namespace) -> int:
             "pid": os.getpid(),
             "model": server._model_info.name if server._model_info else None,
         }
-        print(f"{READY_PREFIX} {json.dumps(ready)}", flush=True)
+        print(f"{P.READY_PREFIX} {json.dumps(ready)}", flush=True)
         log.info("serving on %s (telemetry %s)", endpoint, pub_endpoint)
         return server.serve_forever()
     finally:

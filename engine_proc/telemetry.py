@@ -48,9 +48,12 @@ def block_snapshot(kv: KVCacheManager, seqs: list[Sequence]) -> BlockSnapshot:
         filled[b.block_id] = kv.block_size  # only full blocks are ever hashed
     bs = kv.block_size
     for seq in seqs:
-        computed = seq.num_computed_tokens
-        for i, block_id in enumerate(seq.block_table):
-            filled[block_id] = max(filled[block_id], min(bs, max(0, computed - i * bs)))
+        # Blocks before the one holding the next token are full; only that one is partial.
+        full, partial = divmod(seq.num_computed_tokens, bs)
+        table = seq.block_table
+        filled[table[:full]] = bs
+        if partial and full < len(table):
+            filled[table[full]] = max(filled[table[full]], partial)
     state = np.zeros(n, dtype=np.uint8)
     state[short_hash != 0] = BLOCK_CACHED
     state[ref_count > 0] = BLOCK_IN_USE
@@ -60,7 +63,7 @@ def block_snapshot(kv: KVCacheManager, seqs: list[Sequence]) -> BlockSnapshot:
 def request_snapshot(seq: Sequence) -> RequestSnapshot:
     m = seq.metrics
     return RequestSnapshot(
-        request_id=seq.request_id if seq.index == 0 else f"{seq.request_id}#{seq.index}",
+        request_id=seq.display_id,
         status=seq.status.value,
         block_table=list(seq.block_table),
         num_prompt_tokens=seq.num_prompt_tokens,

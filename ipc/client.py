@@ -244,10 +244,13 @@ class EngineConnection:
             self.send(P.Heartbeat(time=now))
 
     def _poll_sockets(self, timeout_ms: int) -> list[Any]:
-        poller = zmq.Poller()
-        for s in self.sockets():
-            poller.register(s, zmq.POLLIN)
-        ready = dict(poller.poll(timeout_ms))
+        if timeout_ms == 0:  # the I/O loops already waited: the non-blocking drain finds out
+            ready: Any = set(self.sockets())
+        else:
+            poller = zmq.Poller()
+            for s in self.sockets():
+                poller.register(s, zmq.POLLIN)
+            ready = dict(poller.poll(timeout_ms))
         out: list[Any] = []
         if self.dealer in ready:
             out.extend(self._drain(self.dealer, P.decode_engine, multipart=False))

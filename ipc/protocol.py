@@ -31,6 +31,10 @@ MAX_REPLY_MESSAGE_BYTES = 16 << 20  # what a client's DEALER accepts
 MAX_PUB_MESSAGE_BYTES = 256 << 20  # what a SUB accepts (telemetry of huge block pools)
 
 # Heartbeats (seconds); the Welcome message carries the values the engine actually uses.
+# Start-up lines a spawned engine prints on stdout (docs/PROTOCOL.md section 3).
+READY_PREFIX = "KVSCOPE_READY"
+PROGRESS_PREFIX = "KVSCOPE_PROGRESS"
+
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_CLIENT_TIMEOUT = 10.0
 
@@ -74,8 +78,6 @@ ControlOp = Literal[
     "shutdown",
 ]
 FinishReason = Literal["stop", "length", "abort", "error"]
-FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
-CONTROL_OPS: tuple[str, ...] = get_args(ControlOp)
 
 _STRICT = dict(kw_only=True, forbid_unknown_fields=True, omit_defaults=True)
 
@@ -324,10 +326,6 @@ BLOCK_DTYPES: dict[str, str] = {
 }
 
 
-def blocks_to_numpy(blocks: BlockArrays) -> dict[str, np.ndarray]:
-    return blocks.to_numpy()
-
-
 class RequestState(msgspec.Struct, kw_only=True):
     """Mirror of engine_proc.telemetry_types.RequestSnapshot."""
 
@@ -376,9 +374,7 @@ ClientMessage = Hello | Generate | Abort | Control | Heartbeat | Goodbye
 EngineMessage = Welcome | Delta | Finish | ControlAck | Error | Heartbeat | Goodbye
 PubMessage = Telemetry | Heartbeat | Goodbye
 
-CLIENT_KINDS = ("hello", "generate", "abort", "control", "heartbeat", "goodbye")
-ENGINE_KINDS = ("welcome", "delta", "finish", "control_ack", "error", "heartbeat", "goodbye")
-PUB_KINDS = ("telemetry", "heartbeat", "goodbye")
+CLIENT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in get_args(ClientMessage))
 
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)

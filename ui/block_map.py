@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, Signal
-from PySide6.QtGui import QCursor, QFont
+from PySide6.QtGui import QCursor
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -48,6 +48,7 @@ def cell_size(n: int) -> tuple[int, int]:
         return 2, 3
     return 1, 1  # no gap: one pixel per block
 STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached (evictable)", BLOCK_IN_USE: "in use"}
+SHORT_STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached", BLOCK_IN_USE: "in use"}
 
 
 def _lut() -> np.ndarray:
@@ -124,10 +125,7 @@ class BlockMapWidget(QWidget):
 
         self.block_table = QPlainTextEdit()
         self.block_table.setReadOnly(True)
-        mono = QFont("monospace")
-        mono.setStyleHint(QFont.StyleHint.TypeWriter)
-        mono.setPointSize(9)
-        self.block_table.setFont(mono)
+        self.block_table.setFont(theme.mono_font(9))
         self.block_table.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
         self.block_table.setPlaceholderText("Select a request or conversation to see its block "
                                             "table (logical → physical).")
@@ -173,19 +171,22 @@ class BlockMapWidget(QWidget):
         self.block_table.clear()
 
     # --- drawing ----------------------------------------------------------------------------
-    def redraw(self) -> None:
-        if not self._dirty or self.frame is None:
+    def redraw(self, force: bool = False) -> None:
+        if not (self._dirty or force) or self.frame is None:
             return
         self._dirty = False
         f = self.frame
         self._owners = f.owners()
         self._assign_slots(f)
+        cached = f.state == BLOCK_CACHED
+        in_use = f.state == BLOCK_IN_USE
+        shared = in_use & (f.ref_count > 1)
         idx = np.full(f.num_blocks, EMPTY, np.uint8)
-        idx[f.state == BLOCK_CACHED] = CACHED
+        idx[cached] = CACHED
         for b, rids in self._owners.items():
             if 0 <= b < f.num_blocks:
                 idx[b] = REQ0 + self._slots.get(rids[0], 0)
-        idx[(f.state == BLOCK_IN_USE) & (f.ref_count > 1)] = SHARED
+        idx[shared] = SHARED
         self.colour_index = idx
         self.highlight_blocks = self._highlighted(f)
         shown = idx.copy()
@@ -197,9 +198,9 @@ class BlockMapWidget(QWidget):
         self._draw_cells(shown)
         self._set_legend({
             "empty": int(np.count_nonzero(f.state == BLOCK_EMPTY)),
-            "cached": int(np.count_nonzero(f.state == BLOCK_CACHED)),
-            "in use": int(np.count_nonzero(f.state == BLOCK_IN_USE)),
-            "shared": int(np.count_nonzero((f.state == BLOCK_IN_USE) & (f.ref_count > 1))),
+            "cached": int(np.count_nonzero(cached)),
+            "in use": int(np.count_nonzero(in_use)),
+            "shared": int(np.count_nonzero(shared)),
         })
         self._fill_table(f)
         self._fill_block_table(f)
@@ -232,7 +233,8 @@ class BlockMapWidget(QWidget):
 
     def _assign_slots(self, f: Frame) -> None:
         live = [r.request_id for r in f.requests if r.status != "finished"]
-        self._slots = {k: v for k, v in self._slots.items() if k in set(live)}
+        live_set = set(live)
+        self._slots = {k: v for k, v in self._slots.items() if k in live_set}
         used = list(self._slots.values())
         for rid in live:
             if rid not in self._slots:
@@ -311,16 +313,14 @@ class BlockMapWidget(QWidget):
         if live is not None:
             table, title = live.block_table, f"{rid} ({live.status})"
         else:
-            table = sorted(self.highlight_blocks,
-                           key=lambda b: self.remembered.get(rid, ([], []))[0].index(b))
+            # in block-table order (a table holds each block once)
+            table = [b for b in self.remembered.get(rid, ([], []))[0]
+                     if b in self.highlight_blocks]
             title = f"{rid} (finished: {len(table)} blocks still cached)"
         lines = [title, "logical→physical  fill  ref  hash      state"]
         for i, b in enumerate(table):
             if 0 <= b < f.num_blocks:
-                st = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached",
-                      BLOCK_IN_USE: "in use"}.get(int(f.state[b]), "?")
-                if f.state[b] == BLOCK_IN_USE and f.ref_count[b] > 1:
-                    st = "shared"
+                st = _state_name(f, b, SHORT_STATE_NAMES)
                 lines.append(f"{i:5d} → {b:<8d}  {int(f.filled[b]):>2d}/{f.block_size:<2d}"
                              f" {int(f.ref_count[b]):>3d}  {int(f.short_hash[b]):08x}  {st}")
         text = "\n".join(lines)
@@ -345,9 +345,7 @@ class BlockMapWidget(QWidget):
     def tooltip_text(self, b: int) -> str:
         f = self.frame
         assert f is not None and 0 <= b < f.num_blocks
-        state = STATE_NAMES.get(int(f.state[b]), "?")
-        if f.state[b] == BLOCK_IN_USE and f.ref_count[b] > 1:
-            state = "shared"
+        state = _state_name(f, b, STATE_NAMES)
         owners = self._owners.get(b, [])
         h = int(f.short_hash[b])
         return (f"block {b}\nstate: {state}\nref count: {int(f.ref_count[b])}\n"
@@ -374,3 +372,9 @@ class BlockMapWidget(QWidget):
         rid = self.table.item(rows[0].row(), 0).text() if rows else ""
         self.highlight_request(rid or None)
         self.request_selected.emit(rid)
+
+
+def _state_name(f: Frame, b: int, names: dict[int, str]) -> str:
+    if f.state[b] == BLOCK_IN_USE and f.ref_count[b] > 1:
+        return "shared"
+    return names.get(int(f.state[b]), "?")

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QFont, QKeyEvent
+from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QDoubleSpinBox,
@@ -138,7 +138,8 @@ class ChatPanel(QWidget):
         self.store = store
         self.convs: dict[str, Conversation] = {}
         self.current: Conversation | None = None
-        self.active: dict[str, tuple[str, Message, dict]] = {}  # rid -> (conv id, reply, timing)
+        # rid -> (conv id, reply, {"n": tokens streamed so far})
+        self.active: dict[str, tuple[str, Message, dict]] = {}
         self.last_request: dict[str, str] = {}  # conv id -> latest request id
         self.engine_ready = False
         self._seq = itertools.count(1)
@@ -488,7 +489,7 @@ class ChatPanel(QWidget):
         conv.messages.append(reply)
         self.store.save(conv)  # the user's turn is on disk before the request leaves
         rid = f"chat-{conv.id}-{next(self._seq)}-{int(time.time() * 1000) % 100000}"
-        self.active[rid] = (conv.id, reply, {"t0": time.monotonic(), "first": None, "n": 0})
+        self.active[rid] = (conv.id, reply, {"n": 0})
         self.last_request[conv.id] = rid
         self._stick_to_bottom = True
         self._append_view(reply, streaming=True)
@@ -533,12 +534,10 @@ class ChatPanel(QWidget):
                     continue
                 reply.content += msg.text
                 timing["n"] += len(msg.token_ids)
-                if timing["first"] is None:
-                    timing["first"] = time.monotonic()
             elif kind == "Finish":
                 if msg.index != 0:
                     continue
-                reply.stats = self._finish_stats(msg, timing)
+                reply.stats = self._finish_stats(msg)
                 if msg.reason in ("abort", "error"):
                     reply.interrupted = True
                     reply.stats["interrupted_by"] = (
@@ -563,7 +562,7 @@ class ChatPanel(QWidget):
             self._update_buttons()
 
     @staticmethod
-    def _finish_stats(msg: Any, timing: dict) -> dict:
+    def _finish_stats(msg: Any) -> dict:
         u = msg.usage
         n = u.completion_tokens
         tok_s = None
@@ -593,10 +592,3 @@ class ChatPanel(QWidget):
         if self.current is not None:
             self._save_draft()
         self.flush_saves()
-
-
-def mono_font(size: int = 9) -> QFont:
-    f = QFont("monospace")
-    f.setStyleHint(QFont.StyleHint.TypeWriter)
-    f.setPointSize(size)
-    return f

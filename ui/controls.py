@@ -39,7 +39,6 @@ class ControlsPanel(QGroupBox):
         self.sliders: dict[str, QSlider] = {}
         self.values: dict[str, QLabel] = {}
         self._pending: dict[str, int] = {}
-        self._engine_cfg: dict = {}
         grid = QGridLayout(self)
         grid.setContentsMargins(6, 12, 6, 6)
         grid.setVerticalSpacing(3)
@@ -100,7 +99,6 @@ class ControlsPanel(QGroupBox):
 
     def show_config(self, cfg: dict) -> None:
         """The engine's live config (telemetry or a control ack): move the widgets to it."""
-        self._engine_cfg = dict(cfg)
         for name, s in self.sliders.items():
             if name in cfg and name not in self._pending and not s.isSliderDown():
                 step = int(s.property("step"))
@@ -159,10 +157,18 @@ class LoadPanel(QGroupBox):
                           system_prompt_tokens=self.system_tokens.value(),
                           min_output_tokens=min(lo, hi), max_output_tokens=max(lo, hi))
 
-    def _toggled(self, on: bool) -> None:
+    def boxes(self) -> dict[str, QSpinBox]:
+        """The settings of the next load, by their QSettings key."""
+        return {"concurrency": self.concurrency, "system_tokens": self.system_tokens,
+                "min_out": self.min_out, "max_out": self.max_out}
+
+    def _show_running(self, on: bool) -> None:
         self.button.setText("Stop load" if on else "Start load")
-        for w in (self.concurrency, self.system_tokens, self.min_out, self.max_out):
+        for w in self.boxes().values():
             w.setEnabled(not on)
+
+    def _toggled(self, on: bool) -> None:
+        self._show_running(on)
         if on:
             self.start.emit(self.config())
         else:
@@ -173,9 +179,7 @@ class LoadPanel(QGroupBox):
         self.button.blockSignals(True)
         self.button.setChecked(on)
         self.button.blockSignals(False)
-        self.button.setText("Stop load" if on else "Start load")
-        for w in (self.concurrency, self.system_tokens, self.min_out, self.max_out):
-            w.setEnabled(not on)
+        self._show_running(on)
 
     def show_stats(self, s: dict) -> None:
         self.stats.setText(

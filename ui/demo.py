@@ -56,9 +56,6 @@ class DemoLink(QObject):
     def stop(self, timeout: float = 0.0) -> None:
         self.timer.stop()
 
-    def is_running(self) -> bool:
-        return self.timer.isActive()
-
     def generate(self, request_id: str, messages: list, sampling: dict) -> None:
         self.engine.add(prompt=40 + 8 * len(messages), max_out=int(sampling.get("max_tokens", 64)))
         self.chats[request_id] = _REPLY.split(" ")[: int(sampling.get("max_tokens", 64))]

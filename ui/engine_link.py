@@ -20,12 +20,11 @@ from PySide6.QtCore import QObject, Signal
 
 from app.load_generator import LoadConfig, LoadGenerator, drive
 from ipc import protocol as P
-from ipc.client import EngineConnection
+from ipc.client import ERR_ENGINE_GONE, EngineConnection
 from ui.telemetry import Frame
 
 log = logging.getLogger(__name__)
 
-ERR_ENGINE_GONE = "engine_unreachable"
 LOST_AFTER_FRAMES = 40  # ~2 s of telemetry at 20 Hz; a finished request's Finish comes first
 
 
@@ -80,9 +79,6 @@ class EngineLink(QObject):
                 except OSError:
                     pass
         self._thread = None
-
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def generate(self, request_id: str, messages: list[dict], sampling: dict) -> None:
         self._send(("generate", request_id, messages, sampling))

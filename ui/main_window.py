@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QFont, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -97,7 +97,6 @@ def kv_formula(model: object) -> str:
 
 
 class MainWindow(QMainWindow):
-    state_changed = Signal(str)
 
     def __init__(self, settings, store: ConversationStore, source: EngineSource, *,
                  refresh_hz: float = 10.0, data_dir=None) -> None:
@@ -112,7 +111,6 @@ class MainWindow(QMainWindow):
         self.welcome = None
         self.last_error = ""
         self._closing = False
-        self._restarts = 0
         self._frames_seen = 0
         self._bridge: _SupervisorBridge | None = None
         # seconds spent in the GUI thread's own handlers (the latency benchmark reports them)
@@ -167,10 +165,7 @@ class MainWindow(QMainWindow):
         bl.addLayout(row)
         self.banner_log = QPlainTextEdit()
         self.banner_log.setReadOnly(True)
-        f = QFont("monospace")
-        f.setStyleHint(QFont.StyleHint.TypeWriter)
-        f.setPointSize(8)
-        self.banner_log.setFont(f)
+        self.banner_log.setFont(theme.mono_font(8))
         self.banner_log.setMaximumHeight(160)
         self.banner_log.setVisible(False)
         self.log_btn.toggled.connect(self.banner_log.setVisible)
@@ -287,7 +282,6 @@ class MainWindow(QMainWindow):
         col = STATE_COLOURS.get(state, theme.TEXT)
         self.state_label.setText(f'<b style="color:{col}">● {state}</b>'
                                  + (f" {detail}" if detail else ""))
-        self.state_changed.emit(state)
 
     def _show_model(self, w) -> None:
         m = w.model
@@ -427,8 +421,7 @@ class MainWindow(QMainWindow):
     def redraw_now(self) -> None:
         """Both panels at once (screenshots)."""
         self.charts.refresh(self.history)
-        self.block_map._dirty = True
-        self.block_map.redraw()
+        self.block_map.redraw(force=True)
 
     def _on_exit_guard(self) -> bool:
         return self._closing or (self.supervisor is not None and self.supervisor.stopping)
@@ -493,7 +486,6 @@ class MainWindow(QMainWindow):
         self.banner.setVisible(True)
 
     def restart_engine(self) -> None:
-        self._restarts += 1
         self.chat.interrupt_all("interrupted: engine restarted")
         if self.link is not None:
             self.link.stop(timeout=1.0)
@@ -550,9 +542,7 @@ class MainWindow(QMainWindow):
 
     # --- settings and shutdown --------------------------------------------------------------
     def _restore_geometry(self) -> None:
-        lp = self.load_panel
-        for key, box in (("concurrency", lp.concurrency), ("system_tokens", lp.system_tokens),
-                         ("min_out", lp.min_out), ("max_out", lp.max_out)):
+        for key, box in self.load_panel.boxes().items():
             try:
                 box.setValue(int(self.settings.value(f"load/{key}", box.value())))
             except (TypeError, ValueError):
@@ -573,9 +563,7 @@ class MainWindow(QMainWindow):
         self.settings.setValue("window/main_split", self.main_split.saveState())
         self.settings.setValue("window/right_split", self.right_split.saveState())
         save_sampling(self.settings, self.chat.sampling())
-        lp = self.load_panel
-        for key, box in (("concurrency", lp.concurrency), ("system_tokens", lp.system_tokens),
-                         ("min_out", lp.min_out), ("max_out", lp.max_out)):
+        for key, box in self.load_panel.boxes().items():
             self.settings.setValue(f"load/{key}", box.value())
         if self.chat.current is not None:
             self.settings.setValue("chat/current", self.chat.current.id)
@@ -607,7 +595,7 @@ def _cfg_dict(cfg) -> dict:
 
 
 def wait_until(pred, timeout: float, app) -> bool:
-    """Spin the event loop until `pred()` or `timeout` seconds (CLI helpers, not tests)."""
+    """Spin the event loop until `pred()` or `timeout` seconds (CLI tools and tests)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         app.processEvents()

@@ -231,9 +231,11 @@ class History:
         for r in f.requests:
             self._arrival[r.request_id] = r.arrival_time
             if r.block_table:
-                hashes = [int(f.short_hash[b]) if 0 <= b < f.num_blocks else 0
-                          for b in r.block_table]
-                self.last_tables[r.request_id] = (list(r.block_table), hashes)
+                table = np.asarray(r.block_table)
+                valid = (table >= 0) & (table < f.num_blocks)
+                hashes = np.zeros(len(table), dtype=np.int64)
+                hashes[valid] = f.short_hash[table[valid]]
+                self.last_tables[r.request_id] = (r.block_table, hashes.tolist())
         if len(self.last_tables) > 512:  # forget the oldest
             for k in list(self.last_tables)[: len(self.last_tables) - 512]:
                 del self.last_tables[k]
@@ -250,15 +252,21 @@ class History:
             self._counter_hist.popleft()
         self.rates = self._rates()
         n = max(f.num_blocks, 1)
+
+        def share(key: str, state: int) -> float:
+            # The engine sends the counts; count the states only for engines that do not.
+            v = c.get(key)
+            return (float(np.count_nonzero(f.state == state)) if v is None else v) / n
+
         pool = c.get("kv_pool_bytes", 0.0)
         contig = c.get("contiguous_kv_bytes", 0.0) / pool if pool > 0 else math.nan
         self.frames.append((
             t,
             c.get("num_requests_running", 0.0),
             c.get("num_requests_waiting", 0.0),
-            c.get("num_blocks_in_use", float(np.count_nonzero(f.state == BLOCK_IN_USE))) / n,
-            c.get("num_blocks_cached", float(np.count_nonzero(f.state == BLOCK_CACHED))) / n,
-            c.get("num_blocks_empty", float(np.count_nonzero(f.state == BLOCK_EMPTY))) / n,
+            share("num_blocks_in_use", BLOCK_IN_USE),
+            share("num_blocks_cached", BLOCK_CACHED),
+            share("num_blocks_empty", BLOCK_EMPTY),
             c.get("kv_token_occupancy", math.nan),
             contig,
             self.rates.hit_rate,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtGui import QColor, QPalette
+from PySide6.QtGui import QColor, QFont, QPalette
 from PySide6.QtWidgets import QApplication
 
 BG = "#1b1d23"  # plot and block-map background
@@ -70,3 +70,10 @@ def apply_dark_theme(app: QApplication) -> None:
         "QGroupBox::title { subcontrol-origin: margin; left: 8px; padding: 0 3px; }"
     )
     pg.setConfigOptions(background=BG, foreground=TEXT, antialias=False)
+
+
+def mono_font(size: int = 9) -> QFont:
+    f = QFont("monospace")
+    f.setStyleHint(QFont.StyleHint.TypeWriter)
+    f.setPointSize(size)
+    return f

@@ -144,8 +144,8 @@ def _source(variant: AttentionVariant | WriteKVVariant):
         floats: tuple[str, ...] = ("scale_log2",)
     else:
         kernel = tb._write_kv_kernel
-        constants = tb.write_kv_constants(
-            variant.num_kv_heads, variant.head_dim, variant.block_size
+        constants = dict(  # a copy: the cached dict must not lose keys to the pop below
+            tb.write_kv_constants(variant.num_kv_heads, variant.head_dim, variant.block_size)
         )
         pointers = {
             "key_ptr": ptr,

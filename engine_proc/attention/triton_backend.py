@@ -17,6 +17,7 @@ this module is imported (Triton decides compiled vs interpreted when a kernel is
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -100,26 +101,24 @@ if triton is not None:
         heads = tl.arange(0, HEADS_P2)
         dims = tl.arange(0, HEAD_DIM_P2)
         mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+        _copy_token_row(
+            key_ptr + token * key_stride_t, key_stride_h,
+            k_cache_ptr + block * kc_stride_b + offset * kc_stride_s, kc_stride_h,
+            heads, dims, mask,
+        )  # fmt: skip
+        _copy_token_row(
+            value_ptr + token * value_stride_t, value_stride_h,
+            v_cache_ptr + block * vc_stride_b + offset * vc_stride_s, vc_stride_h,
+            heads, dims, mask,
+        )  # fmt: skip
 
-        k = tl.load(
-            key_ptr + token * key_stride_t + heads[:, None] * key_stride_h + dims[None, :],
-            mask=mask,
-        )
-        k_dst = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
+    @triton.jit
+    def _copy_token_row(src, src_stride_h, dst, dst_stride_h, heads, dims, mask):
+        # One token's [heads, head_dim] row, cast to the cache's dtype.
+        row = tl.load(src + heads[:, None] * src_stride_h + dims[None, :], mask=mask)
         tl.store(
-            k_dst + heads[:, None] * kc_stride_h + dims[None, :],
-            k.to(k_cache_ptr.dtype.element_ty),
-            mask=mask,
-        )
-
-        v = tl.load(
-            value_ptr + token * value_stride_t + heads[:, None] * value_stride_h + dims[None, :],
-            mask=mask,
-        )
-        v_dst = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
-        tl.store(
-            v_dst + heads[:, None] * vc_stride_h + dims[None, :],
-            v.to(v_cache_ptr.dtype.element_ty),
+            dst + heads[:, None] * dst_stride_h + dims[None, :],
+            row.to(dst.dtype.element_ty),
             mask=mask,
         )
 
@@ -306,6 +305,39 @@ def _check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {devices}")
 
 
+def _launch_plan(query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata):
+    """Checked metadata -> (launch constants, grid, block tables) of one step's attention."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = meta.num_seqs
+    _check_same_device(
+        query=query,
+        block_tables=meta.block_tables,
+        seq_lens=meta.seq_lens,
+        query_start_loc=meta.query_start_loc,
+    )
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
+            f"got {tuple(meta.block_tables.shape)}"
+        )
+    if meta.query_start_loc.shape != (num_seqs + 1,) or meta.seq_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"query_start_loc must be [{num_seqs + 1}] and seq_lens [{num_seqs}], got "
+            f"{tuple(meta.query_start_loc.shape)} and {tuple(meta.seq_lens.shape)}"
+        )
+    consts = attention_constants(
+        query.dtype, num_heads // num_kv_heads, head_dim, k_cache.shape[1], meta.max_query_len
+    )
+    # Upper bound of sum(ceil(query_len / BLOCK_Q)) computable without reading the lengths:
+    # each sequence gets at most floor(its tokens / BLOCK_Q) + 1 blocks.
+    grid = (num_tokens // int(consts["BLOCK_Q"]) + num_seqs, num_kv_heads)
+    block_tables = meta.block_tables
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    return consts, grid, block_tables
+
+
 def _pick_tile(block_size: int) -> int:
     # One or two whole blocks for the usual sizes 16/32; larger blocks are walked in 64-key
     # steps so a tile of K and V (TILE x head_dim each) stays within registers.
@@ -344,6 +376,7 @@ def attention_constants(
     }
 
 
+@functools.cache
 def write_kv_constants(num_kv_heads: int, head_dim: int, block_size: int) -> dict[str, int]:
     return {
         "NUM_KV_HEADS": num_kv_heads,
@@ -453,25 +486,16 @@ class TritonAttentionBackend:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
+        _check_same_device(query=query, k_cache=k_cache, v_cache=v_cache)
         num_seqs = meta.num_seqs
-        _check_same_device(
-            query=query,
-            k_cache=k_cache,
-            v_cache=v_cache,
-            block_tables=meta.block_tables,
-            seq_lens=meta.seq_lens,
-            query_start_loc=meta.query_start_loc,
-        )
-        if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_seqs:
-            raise ValueError(
-                f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
-                f"got {tuple(meta.block_tables.shape)}"
-            )
-        if meta.query_start_loc.shape != (num_seqs + 1,) or meta.seq_lens.shape != (num_seqs,):
-            raise ValueError(
-                f"query_start_loc must be [{num_seqs + 1}] and seq_lens [{num_seqs}], got "
-                f"{tuple(meta.query_start_loc.shape)} and {tuple(meta.seq_lens.shape)}"
-            )
+        # Every layer of a step launches with the same metadata, constants and grid: check and
+        # derive them at the first layer, reuse them for the others.
+        key = (query.dtype, query.device, num_tokens, num_heads, num_kv_heads, head_dim,
+               k_cache.shape[1])  # fmt: skip
+        plan = meta.backend_plan.get(self.name)
+        if plan is None or plan[0] != key:
+            plan = meta.backend_plan[self.name] = (key, *_launch_plan(query, k_cache, meta))
+        _, consts, grid, block_tables = plan
 
         # Tokens past query_start_loc[-1] (batch padding) belong to no sequence and are left
         # unwritten, like the torch backend leaves them irrelevant.
@@ -480,17 +504,6 @@ class TritonAttentionBackend:
             return out
         if query.stride(2) != 1:
             query = query.contiguous()
-
-        consts = attention_constants(
-            query.dtype, num_heads // num_kv_heads, head_dim, k_cache.shape[1], meta.max_query_len
-        )
-        block_q = consts["BLOCK_Q"]
-        # Upper bound of sum(ceil(query_len / BLOCK_Q)) computable without reading the lengths:
-        # each sequence gets at most floor(its tokens / BLOCK_Q) + 1 blocks.
-        grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-        block_tables = meta.block_tables
-        if block_tables.stride(1) != 1:
-            block_tables = block_tables.contiguous()
         _paged_attention_kernel[grid](
             out,
             query,

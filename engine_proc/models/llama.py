@@ -3,6 +3,7 @@ over a paged KV cache. Works on a flat batch: every sequence's new tokens laid e
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -10,7 +11,14 @@ import torch.nn.functional as F
 
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
 from engine_proc.models.config import ModelConfig
-from engine_proc.models.int4 import MAX_ROWS, Int4Weight, int4_matmul, quantize_int4
+from engine_proc.models.int4 import (
+    GROUP_SIZE,
+    MAX_ROWS,
+    Int4Weight,
+    int4_kernels_available,
+    int4_matmul,
+    quantize_int4,
+)
 
 DECODE_WEIGHTS = ("dense", "int4")
 
@@ -25,13 +33,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "llama3":
-        inv_freq = _llama3_scale(inv_freq, scaling)
+        inv_freq = llama3_scale(inv_freq, scaling)
     elif kind not in (None, "default"):
         raise ValueError(f"rope_scaling type must be 'llama3' or absent, got {kind!r}")
     return inv_freq
 
 
-def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     # Same piecewise rule as Meta's reference: keep high frequencies, divide low ones by factor,
     # interpolate smoothly between.
     factor = scaling["factor"]
@@ -108,6 +116,7 @@ class LlamaLayer:
         self.down_int4 = quantize_int4(self.down_weight)
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: without them torch emulates bf16 matmuls on the CPU, fast only for
     matrix-vector products (memory-bound) and some 50x slower than float32 otherwise."""
@@ -157,8 +166,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def int4_unsupported_reason(config: ModelConfig, device: torch.device) -> str | None:
     """Why 4-bit decode weights cannot be used for this model here, or None when they can."""
-    from engine_proc.models.int4 import GROUP_SIZE, int4_kernels_available
-
     if device.type != "cpu":
         return f"runs on the CPU only (torch's int4 CPU kernel), the model is on {device}"
     if not int4_kernels_available():

@@ -213,7 +213,7 @@ def test_block_arrays_roundtrip_and_size_check() -> None:
             )
         )
     )
-    out = P.blocks_to_numpy(msg.blocks)
+    out = msg.blocks.to_numpy()
     for name, arr in arrays.items():
         assert out[name].dtype == arr.dtype
         np.testing.assert_array_equal(out[name], arr)

@@ -4,8 +4,6 @@ Restart."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from PySide6.QtWidgets import QApplication
@@ -15,22 +13,11 @@ from app.settings import open_settings
 from ipc.client import EngineClient
 from tests.ui.conftest import tiny_engine_command
 from ui import block_map as bm
-from ui.main_window import EngineSource, MainWindow
+from ui.main_window import EngineSource, MainWindow, wait_until
 from ui.telemetry import BLOCK_CACHED, BLOCK_IN_USE
 
 pytestmark = pytest.mark.slow
 ENGINE_ARGS = ("--num-kv-blocks", "64", "--max-model-len", "512")
-
-
-def _spin(pred, timeout: float) -> bool:
-    app = QApplication.instance()
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        app.processEvents()
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +28,8 @@ def win(qapp, tmp_path_factory):
     w.resize(1400, 900)
     w.show()
     w.start_engine()
-    ok = _spin(lambda: w.state in ("ready", "busy", "disconnected"), 180)
+    ok = wait_until(lambda: w.state in ("ready", "busy", "disconnected"), 180,
+                    QApplication.instance())
     assert ok and w.state in ("ready", "busy"), (w.state, w.last_error,
                                                  w.supervisor and w.supervisor.tail(20))
     yield w
@@ -140,8 +128,7 @@ def test_block_map_in_use_then_cached(win, qtbot):
             return False
         table, hashes = win.history.last_tables[rid]
         full = [b for b, h in zip(table, hashes, strict=True) if h]
-        win.block_map._dirty = True
-        win.block_map.redraw()
+        win.block_map.redraw(force=True)
         idx = win.block_map.colour_index
         return bool(full) and all(f.state[b] == BLOCK_CACHED and idx[b] == bm.CACHED
                                   for b in full)
