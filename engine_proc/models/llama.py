@@ -116,10 +116,20 @@ class LlamaLayer:
         self.down_int4 = quantize_int4(self.down_weight)
 
 
+# Without native bf16, torch's bf16 CPU product is fast for this many rows at most (a
+# matrix-vector product is memory-bound; larger ones run some 50x slower than float32).
+EMULATED_BF16_ROWS = 2
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: without them torch emulates bf16 matmuls on the CPU, fast only for
-    matrix-vector products (memory-bound) and some 50x slower than float32 otherwise."""
+    matrix-vector products (memory-bound) and some 50x slower than float32 otherwise.
+
+    This is only the default of ``LlamaModel(native_bf16=None)`` / ``Linear``: the arithmetic
+    of bf16 products depends on it (float32 upcast or not, how many rows use the bf16 output
+    projection), so tests pass ``native_bf16`` (or replace this function) to run either branch
+    on any CPU."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
@@ -128,15 +138,26 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def bf16_lm_head_rows(native_bf16: bool) -> int:
+    """Up to how many rows the int4 mode's bf16 output-projection copy is used (float32 model):
+    every decode-sized step with native bf16, otherwise only where the emulated product is fast."""
+    return MAX_ROWS if native_bf16 else EMULATED_BF16_ROWS
+
+
 class Linear:
     """F.linear, except that
     - a product of at most ``MAX_ROWS`` rows uses the 4-bit copy of the weight when there is one;
-    - on CPUs without native bf16 a bf16 product of more than a couple of rows (prefill, batched
-      decode) runs in float32 on upcast weights: the upcast reads the weights once, which costs
-      far less than the emulated bf16 GEMM would."""
+    - without native bf16 (``native_bf16=False``; default: this CPU's flags) a bf16 product of
+      more than ``EMULATED_BF16_ROWS`` rows (prefill, batched decode) runs in float32 on upcast
+      weights: the upcast reads the weights once, which costs far less than the emulated bf16
+      GEMM would."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.upcast = dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16()
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, native_bf16: bool | None = None
+    ) -> None:
+        if native_bf16 is None:
+            native_bf16 = cpu_has_native_bf16()
+        self.upcast = dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16
 
     def __call__(
         self,
@@ -148,7 +169,7 @@ class Linear:
         if packed is not None and x.shape[0] <= MAX_ROWS:
             out = int4_matmul(x, packed)
             return out if bias is None else out + bias
-        if self.upcast and x.shape[0] > 2:
+        if self.upcast and x.shape[0] > EMULATED_BF16_ROWS:
             b = None if bias is None else bias.float()
             return F.linear(x.float(), weight.float(), b).to(x.dtype)
         return F.linear(x, weight, bias)
@@ -195,7 +216,11 @@ class LlamaModel:
         device: torch.device,
         max_positions: int,
         decode_weights: str = "dense",
+        native_bf16: bool | None = None,
     ) -> None:
+        """native_bf16: whether bf16 CPU products run natively (None: this CPU's flags, see
+        cpu_has_native_bf16); it picks the arithmetic of bf16 products (see Linear and
+        bf16_lm_head_rows), so tests force each branch with it."""
         if decode_weights not in DECODE_WEIGHTS:
             raise ValueError(
                 f"decode_weights must be one of {DECODE_WEIGHTS}, got {decode_weights!r}"
@@ -212,7 +237,8 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.linear = Linear(device, dtype)
+        self.native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+        self.linear = Linear(device, dtype, self.native_bf16)
         self.decode_weights = decode_weights
         self.lm_head_decode: torch.Tensor | None = None  # bf16 copy for decode (int4 mode)
         self.lm_head_decode_rows = 0
@@ -230,7 +256,7 @@ class LlamaModel:
         # Without native bf16 the CPU's bf16 product is fast for one or two rows only.
         if self.dtype == torch.float32:
             self.lm_head_decode = self.lm_head.to(torch.bfloat16)
-            self.lm_head_decode_rows = MAX_ROWS if cpu_has_native_bf16() else 2
+            self.lm_head_decode_rows = bf16_lm_head_rows(self.native_bf16)
 
     @torch.inference_mode()
     def forward(
