@@ -16,13 +16,14 @@ from engine_proc.attention import select_backend
 from engine_proc.config import EngineConfig
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.kv_cache_manager import KVCacheManager, root_hash
+from engine_proc.metrics import RequestHistograms
 from engine_proc.model_loader import Checkpoint, load_checkpoint
 from engine_proc.model_runner import ModelRunner
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.llama import LlamaModel, int4_unsupported_reason
-from engine_proc.outputs import RequestMetrics, RequestOutput
+from engine_proc.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from engine_proc.request import Sequence, SequenceStatus
-from engine_proc.sampler import sample
+from engine_proc.sampler import RawLogprobs, compute_logprobs, sample
 from engine_proc.sampling_params import SamplingParams
 from engine_proc.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from engine_proc.telemetry import EngineStats, build_snapshot
@@ -97,6 +98,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
+        self.histograms = RequestHistograms.create(self.max_model_len)
         self._seed_rng = random.Random(config.seed)
         logger.info(
             "engine ready: %s on %s (%s), attention backend %s",
@@ -138,6 +140,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use by an active request")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        vocab = self.model_config.vocab_size
+        bad_bias = sorted(t for t in params.logit_bias if t >= vocab)
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad_bias[:5]}")
         prompt_ids = self.tokenize(prompt)
         limit = self.max_total_tokens
         if len(prompt_ids) >= limit:
@@ -164,6 +170,7 @@ class LLMEngine:
         )
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
+        self.stats.request_prompt_tokens_total += len(prompt_ids)
 
     @property
     def max_total_tokens(self) -> int:
@@ -174,9 +181,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            ids = self.tokenize_text(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._apply_chat_template(prompt)
+            ids = self.tokenize_chat(prompt)
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -194,7 +201,23 @@ class LLMEngine:
             raise ValueError("prompt must not be empty (it has no tokens)")
         return ids
 
-    def _apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of plain text (with BOS, as a text prompt is tokenized, by default)."""
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return self.tokenizer.decode(token_ids)
+
+    def tokenize_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation under the model's chat template."""
         for i, m in enumerate(messages):
             if m.get("role") not in _CHAT_ROLES:
                 raise ValueError(
@@ -202,8 +225,15 @@ class LLMEngine:
                 )
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}].content must be a string")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                f"the model {self.checkpoint_name!r} has no chat template: send a plain prompt "
+                "(/v1/completions) instead of chat messages"
+            )
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -247,6 +277,7 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
         self.stats.prompt_tokens_total += batch.num_prefill_tokens
+        self.histograms.observe_step(batch.num_prefill_tokens + batch.num_decode_tokens)
         outputs = self._sample_and_emit(logits, sampling)
         end = self.clock()
         self.stats.steps.append(
@@ -274,15 +305,19 @@ class LLMEngine:
             seqs.extend(family)
         if len(rows) != len(sampling):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        params = [s.params for s in seqs]
         tokens = sample(
             logits,
-            [s.params for s in seqs],
+            params,
             [s.seed for s in seqs],
             [s.num_output_tokens for s in seqs],
+            [s.token_ids for s in seqs],
+            [s.num_prompt_tokens for s in seqs],
         )
+        logprobs = compute_logprobs(logits, [p.logprobs for p in params], tokens)
         now = self.clock()
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, token, raw in zip(seqs, tokens, logprobs, strict=True):
             seq.append_token(token, now)
             self.stats.generation_tokens_total += 1
             self.stats.token_events.append(
@@ -292,10 +327,18 @@ class LLMEngine:
             reason = seq.check_stop(hit_stop)
             if reason is not None:
                 self.scheduler.remove(seq)
-                outputs.append(self._finish(seq, reason, None, new_token_ids=[token]))
+                out = self._finish(seq, reason, None, new_token_ids=[token])
             else:
-                outputs.append(self._output(seq, [token], seq.detokenizer.take_delta(final=False)))
+                out = self._output(seq, [token], seq.detokenizer.take_delta(final=False))
+            if raw is not None:
+                out.new_logprobs = [self._token_logprobs(token, raw)]
+            outputs.append(out)
         return outputs
+
+    def _token_logprobs(self, token: int, raw: RawLogprobs) -> TokenLogprobs:
+        decode = self.tokenizer.decode
+        top = [(t, decode([t]), lp) for t, lp in raw[1]]
+        return TokenLogprobs(token, decode([token]), raw[0], top)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The prompt is computed: split into n sequences sharing its blocks."""
@@ -349,6 +392,7 @@ class LLMEngine:
         seq.error = error
         seq.metrics.finished_time = self.clock()
         self.stats.num_requests_finished += 1
+        self.histograms.observe_finished(seq)
         family = self.requests.get(seq.request_id, [])
         if family and all(s.is_finished for s in family):
             del self.requests[seq.request_id]
@@ -460,7 +504,7 @@ class LLMEngine:
         return [s for family in self.requests.values() for s in family if not s.is_finished]
 
     def snapshot(self) -> EngineSnapshot:
-        return build_snapshot(
+        snap = build_snapshot(
             now=self.clock(),
             stats=self.stats,
             kv=self.kv,
@@ -470,6 +514,9 @@ class LLMEngine:
             contiguous_bytes_per_request=self.max_model_len * self.kv_bytes_per_token,
             live_config=self.live_config(),
         )
+        snap.histograms = self.histograms.by_name
+        snap.finished_reasons = dict(self.histograms.finished_reasons)
+        return snap
 
 
 def _resolve_decode_weights(choice: str, config: ModelConfig, device: torch.device) -> str:

@@ -41,6 +41,17 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities of one sampled token: log-softmax of the model's raw logits (before
+    logit_bias, penalties and temperature), as vLLM reports them by default."""
+
+    token_id: int
+    token: str  # tokenizer.decode([token_id]) (may hold U+FFFD for part of a character)
+    logprob: float
+    top: list[tuple[int, str, float]]  # (token id, token, logprob) of the k best, best first
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     index: int  # sequence index within the request (0..n-1)
@@ -53,6 +64,7 @@ class RequestOutput:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     metrics: RequestMetrics | None = None
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs
 
     @property
     def finished(self) -> bool:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # most top candidates per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0  # presence / frequency, OpenAI's range
 
 
 @dataclass(slots=True)
@@ -16,6 +21,15 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI: over this sequence's output so far, logit[t] -= presence * (count[t] > 0)
+    # + frequency * count[t].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF / vLLM: every token of prompt and output has its logit divided by this when positive,
+    # multiplied when not (1 = off).
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # None = off; k: the chosen token's logprob and the top k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,10 +53,64 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        penalty = self.repetition_penalty
+        if not _is_number(penalty) or not 0 < penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {penalty!r}"
+            )
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if self.logprobs is not None and not (
+            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed (bias, penalties) before the token is chosen."""
+        return bool(self.logit_bias) or self.has_penalties
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float]:
+    """A copy with int keys: JSON (OpenAI) sends token ids as decimal strings."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdecimal():
+            token = int(key)
+        if not _is_int(token) or token < 0:
+            raise ValueError(
+                f"logit_bias keys must be token ids (integers >= 0, or their decimal strings), "
+                f"got {key!r}"
+            )
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key!r}"
+            )
+        if token in out:
+            raise ValueError(f"logit_bias has token id {token} twice (as {key!r})")
+        out[token] = float(value)
+    return out
 
 
 def _is_int(value: object) -> bool:

@@ -4,22 +4,16 @@ One thread does everything: drain the ROUTER without blocking, step the engine, 
 request's delta right after the step, publish telemetry at its own rate, heartbeat. With no work
 it blocks in poll until a message, a timer or a signal arrives (idle ~ 0% CPU).
 
-CLI: `python -m engine_proc serve ...` (engine_proc/__main__.py calls `add_arguments` and
-`run`), or `python -m engine_proc.server ...` directly.
+CLI: `python -m engine_proc serve ...` (engine_proc/serve_cli.py); messages are built from
+engine objects in engine_proc/wire.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import hmac
-import importlib
-import json
 import logging
-import os
 import shutil
-import signal
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +21,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine_proc.config import SUPPORTED_DTYPES, add_kernel_arguments, kernel_options
+from engine_proc.wire import (
+    delta_of,
+    finish_of,
+    ids_of_undecodable,
+    live_config_of,
+    synthetic_finish,
+    telemetry_from_snapshot,
+)
 from ipc import endpoints as E
 from ipc import protocol as P
 
@@ -235,7 +236,7 @@ class EngineServer:
             except Exception as exc:  # never let one message kill the loop
                 log.exception("internal error handling a message")
                 if frames:
-                    rid, ctl = _ids_of_undecodable(frames[-1]) if len(frames) > 1 else (None, None)
+                    rid, ctl = ids_of_undecodable(frames[-1]) if len(frames) > 1 else (None, None)
                     self._send_error(frames[0], P.ERR_INTERNAL, f"internal error: {exc}", rid, ctl)
         self._reap_dead()
 
@@ -255,7 +256,7 @@ class EngineServer:
             msg = P.decode_client(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             err = P.classify_decode_error(exc)
-            rid, ctl = _ids_of_undecodable(frames[1])
+            rid, ctl = ids_of_undecodable(frames[1])
             self._send_error(cid, err.code, err.message, request_id=rid, control_id=ctl)
             return
         if self.cfg.token is not None and not (
@@ -345,6 +346,45 @@ class EngineServer:
         self._inflight[rid] = _InFlight(client=cid, n=params.n)
         client.requests.add(rid)
         self._telemetry_dirty = True
+
+    def _on_tokenize(self, client: _Client, msg: P.Tokenize) -> None:
+        try:
+            if msg.messages is not None:
+                messages = [{"role": m.role, "content": m.content} for m in msg.messages]
+                ids = self.engine.tokenize_chat(messages, msg.add_generation_prompt)
+                text = self.engine.tokenizer.decode(ids)
+            else:
+                assert msg.prompt is not None
+                ids = self.engine.tokenize_text(msg.prompt, msg.add_special_tokens)
+                text = msg.prompt
+        except ValueError as exc:
+            self._send_error(
+                client.routing_id, P.ERR_INVALID_REQUEST, str(exc), request_id=msg.request_id
+            )
+            return
+        self._send_tokenized(client, msg.request_id, ids, text)
+
+    def _on_detokenize(self, client: _Client, msg: P.Detokenize) -> None:
+        try:
+            text = self.engine.detokenize(msg.token_ids)
+        except ValueError as exc:
+            self._send_error(
+                client.routing_id, P.ERR_INVALID_REQUEST, str(exc), request_id=msg.request_id
+            )
+            return
+        self._send_tokenized(client, msg.request_id, list(msg.token_ids), text)
+
+    def _send_tokenized(self, client: _Client, rid: str, ids: list[int], text: str) -> None:
+        assert self._model_info is not None
+        self._send(
+            client.routing_id,
+            P.Tokenized(
+                request_id=rid,
+                token_ids=[int(t) for t in ids],
+                text=text,
+                max_model_len=self._model_info.max_model_len,
+            ),
+        )
 
     def _on_abort(self, client: _Client, msg: P.Abort) -> None:
         rid = msg.request_id
@@ -443,26 +483,9 @@ class EngineServer:
             if fl is None:
                 continue  # a request whose client is gone (already aborted in the engine)
             if out.new_token_ids or out.text_delta:
-                m = out.metrics
-                k = len(out.new_token_ids)
-                now = time.monotonic()
-                if m is not None and k and len(m.token_times) >= k:
-                    times = [float(t) for t in m.token_times[-k:]]
-                else:  # the engine reports token times only on the final output: use now
-                    times = [now] * k
-                self._send(
-                    fl.client,
-                    P.Delta(
-                        request_id=out.request_id,
-                        index=out.index,
-                        token_ids=list(out.new_token_ids),
-                        text=out.text_delta,
-                        token_times=times,
-                        time=now,
-                    ),
-                )
+                self._send(fl.client, delta_of(out))
             if out.finish_reason is not None and out.index not in fl.finished:
-                self._send(fl.client, _finish_of(out, fl.abort_message))
+                self._send(fl.client, finish_of(out, fl.abort_message))
                 fl.finished.add(out.index)
                 if len(fl.finished) >= fl.n:
                     self._forget(out.request_id)
@@ -505,7 +528,7 @@ class EngineServer:
             return
         for index in range(fl.n):
             if index not in fl.finished:
-                self._send(fl.client, _synthetic_finish(rid, index, reason, why or reason))
+                self._send(fl.client, synthetic_finish(rid, index, reason, why or reason))
         self._forget(rid)
 
     def _abort_all(self, why: str, reason: str = "abort") -> None:
@@ -559,12 +582,17 @@ class EngineServer:
             snap = self.engine.snapshot()
             self._telemetry_seq += 1
             msg = telemetry_from_snapshot(
-                snap, self._telemetry_seq, self.paused, len(self._clients)
+                snap, self._telemetry_seq, self.paused, len(self._clients), self._origins()
             )
         except Exception:
             log.exception("engine.snapshot() failed; no telemetry this time")
             return
         self._publish(P.TOPIC_TELEMETRY, msg)
+
+    def _origins(self) -> dict[str, str]:
+        """Request id -> the name its client gave in hello (empty when it sent none)."""
+        names = {cid: c.name for cid, c in self._clients.items() if c.name}
+        return {rid: names[fl.client] for rid, fl in self._inflight.items() if fl.client in names}
 
     def _live_config(self) -> P.LiveConfig:
         return live_config_of(self.engine.live_config(), self.paused)
@@ -600,6 +628,8 @@ class EngineServer:
 _HANDLERS = {
     P.Hello: EngineServer._on_hello,
     P.Generate: EngineServer._on_generate,
+    P.Tokenize: EngineServer._on_tokenize,
+    P.Detokenize: EngineServer._on_detokenize,
     P.Abort: EngineServer._on_abort,
     P.Control: EngineServer._on_control,
     P.Heartbeat: EngineServer._on_heartbeat,
@@ -607,312 +637,9 @@ _HANDLERS = {
 }
 
 
-# ---------------------------------------------------------------- conversions
+if __name__ == "__main__":  # `python -m engine_proc.server ...` = `python -m engine_proc serve`
+    import sys
 
+    from engine_proc.serve_cli import main
 
-def _finish_of(out: Any, abort_message: str | None) -> P.Finish:
-    m = out.metrics
-    reason = out.finish_reason
-    error = out.error
-    if reason == "abort":
-        error = abort_message or error or "aborted"  # the server's reason is more precise
-    elif error is None:
-        error = abort_message
-    return P.Finish(
-        request_id=out.request_id,
-        index=out.index,
-        reason=reason,
-        usage=P.Usage(
-            prompt_tokens=int(out.num_prompt_tokens),
-            cached_tokens=int(out.num_cached_tokens),
-            completion_tokens=len(out.token_ids),
-        ),
-        ttft=None if m is None else m.ttft,
-        tpot=None if m is None else m.tpot,
-        e2e=None if m is None else m.e2e,
-        queue_time=None if m is None else m.queue_time,
-        error=error,
-    )
-
-
-def _synthetic_finish(rid: str, index: int, reason: str, why: str) -> P.Finish:
-    return P.Finish(
-        request_id=rid,
-        index=index,
-        reason=reason,  # type: ignore[arg-type]
-        usage=P.Usage(prompt_tokens=0, cached_tokens=0, completion_tokens=0),
-        error=why,
-    )
-
-
-def live_config_of(cfg: dict[str, Any], paused: bool) -> P.LiveConfig:
-    """engine.live_config() (or a snapshot's config) plus the server's pause switch."""
-    return P.LiveConfig(
-        max_num_seqs=int(cfg["max_num_seqs"]),
-        max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
-        long_prefill_chunk=int(cfg["long_prefill_chunk"]),
-        enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
-        paused=paused,
-    )
-
-
-def telemetry_from_snapshot(snap: Any, seq: int, paused: bool, num_clients: int) -> P.Telemetry:
-    """engine_proc.telemetry_types.EngineSnapshot -> protocol Telemetry."""
-    b = snap.blocks
-    return P.Telemetry(
-        seq=seq,
-        time=float(snap.time),
-        counters={k: float(v) for k, v in snap.counters.items()},
-        config=live_config_of(snap.config, paused),
-        blocks=P.BlockArrays.pack(
-            state=b.state,
-            ref_count=b.ref_count,
-            filled=b.filled,
-            short_hash=b.short_hash,
-            parent=b.parent,
-        ),
-        requests=[
-            P.RequestState(
-                request_id=r.request_id,
-                status=r.status,
-                block_table=[int(x) for x in r.block_table],
-                num_prompt_tokens=int(r.num_prompt_tokens),
-                num_cached_tokens=int(r.num_cached_tokens),
-                num_computed_tokens=int(r.num_computed_tokens),
-                num_generated_tokens=int(r.num_generated_tokens),
-                arrival_time=float(r.arrival_time),
-                first_scheduled_time=_opt_float(r.first_scheduled_time),
-                first_token_time=_opt_float(r.first_token_time),
-            )
-            for r in snap.requests
-        ],
-        token_events=[
-            P.TokenEvent(request_id=e.request_id, index=int(e.index), time=float(e.time))
-            for e in snap.token_events
-        ],
-        steps=[
-            P.StepStats(
-                time=float(s.time),
-                duration=float(s.duration),
-                num_prefill_tokens=int(s.num_prefill_tokens),
-                num_decode_tokens=int(s.num_decode_tokens),
-                num_running=int(s.num_running),
-                num_waiting=int(s.num_waiting),
-            )
-            for s in snap.steps
-        ],
-        num_clients=num_clients,
-    )
-
-
-def _opt_float(x: Any) -> float | None:
-    return None if x is None else float(x)
-
-
-def _ids_of_undecodable(data: bytes) -> tuple[str | None, str | None]:
-    """Best effort: the request_id / control_id of a message that failed validation."""
-    try:
-        obj = msgspec.msgpack.decode(data)
-    except Exception:
-        return None, None
-    if not isinstance(obj, dict):
-        return None, None
-    rid, ctl = obj.get("request_id"), obj.get("control_id")
-    return (
-        rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None,
-        ctl if isinstance(ctl, str) and len(ctl) <= 256 else None,
-    )
-
-
-# ---------------------------------------------------------------- CLI
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `serve` options (shared by `python -m engine_proc serve` and this module)."""
-    g = parser.add_argument_group("model and engine")
-    g.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
-    )
-    g.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument(
-        "--num-blocks",
-        "--num-kv-blocks",
-        dest="num_blocks",
-        type=int,
-        default=None,
-        help="KV blocks in the pool (default: from --kv-cache-memory)",
-    )
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the K/V pool")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--long-prefill-chunk", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    add_kernel_arguments(g)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # "module:callable"
-    s = parser.add_argument_group("serving")
-    s.add_argument(
-        "--endpoint",
-        default=E.DEFAULT_ENDPOINT,
-        help="ROUTER bind address (tcp://127.0.0.1:PORT, '*' = free port; ipc://auto)",
-    )
-    s.add_argument("--pub-endpoint", default=E.DEFAULT_PUB_ENDPOINT, help="PUB bind address")
-    s.add_argument("--telemetry-hz", type=float, default=20.0)
-    s.add_argument("--heartbeat-interval", type=float, default=P.DEFAULT_HEARTBEAT_INTERVAL)
-    s.add_argument(
-        "--client-timeout",
-        type=float,
-        default=P.DEFAULT_CLIENT_TIMEOUT,
-        help="seconds of client silence before its requests are aborted",
-    )
-    s.add_argument("--max-pending", type=int, default=4096)
-    s.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow non-loopback binds (needs --token or $KVSCOPE_TOKEN)",
-    )
-    s.add_argument(
-        "--token",
-        default=None,
-        help="access token every message must carry "
-        "(prefer $KVSCOPE_TOKEN: command lines are visible to other users)",
-    )
-    s.add_argument("--log-level", default="INFO")
-
-
-def _progress(fraction: float, message: str) -> None:
-    print(f"{P.PROGRESS_PREFIX} {fraction:.2f} {message}", flush=True)
-
-
-class _Progress:
-    """Loader progress (0..1) -> KVSCOPE_PROGRESS lines, at most one per percent."""
-
-    def __init__(self, low: float, high: float) -> None:
-        self.low, self.high, self.last = low, high, -1.0
-
-    def __call__(self, fraction: float, message: str) -> None:
-        value = self.low + (self.high - self.low) * min(max(float(fraction), 0.0), 1.0)
-        if value - self.last >= 0.01 or fraction >= 1.0:
-            self.last = value
-            _progress(value, message.replace("\n", " "))
-
-
-def build_engine(args: argparse.Namespace) -> Any:
-    if args.engine_factory:
-        module, _, name = args.engine_factory.partition(":")
-        return getattr(importlib.import_module(module), name)(args)
-    from engine_proc import EngineConfig, LLMEngine
-
-    kwargs: dict[str, Any] = dict(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_blocks,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        num_threads=args.num_threads,
-        **kernel_options(args),
-    )
-    for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
-    return LLMEngine(EngineConfig(**kwargs), progress=_Progress(0.05, 0.9))
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    token = args.token or os.environ.get("KVSCOPE_TOKEN") or None
-    try:
-        cfg = ServerConfig(
-            endpoint=args.endpoint,
-            pub_endpoint=args.pub_endpoint,
-            telemetry_hz=args.telemetry_hz,
-            heartbeat_interval=args.heartbeat_interval,
-            client_timeout=args.client_timeout,
-            allow_remote=args.allow_remote,
-            token=token,
-            max_pending=args.max_pending,
-        )
-    except ValueError as exc:
-        log.error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-
-    stop: list[str] = []
-    server: EngineServer | None = None
-
-    def on_signal(signum: int, frame: object) -> None:
-        why = f"received {signal.Signals(signum).name}"
-        stop.append(why)
-        if server is not None:
-            server.request_stop(why)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        _progress(0.0, "starting")
-        _progress(0.05, "loading model")
-        t0 = time.monotonic()
-        try:
-            engine = build_engine(args)
-        except (ValueError, FileNotFoundError, OSError) as exc:
-            log.error("could not start the engine: %s", exc)
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            return 1
-        log.info("engine ready in %.1f s", time.monotonic() - t0)
-        if stop:
-            return 0
-        _progress(0.95, "binding sockets")
-        server = EngineServer(engine, cfg)
-        try:
-            endpoint, pub_endpoint = server.bind()
-        except zmq.ZMQError as exc:
-            log.error("could not bind: %s", exc)
-            print(f"error: could not bind: {exc}", file=sys.stderr, flush=True)
-            server.close()
-            return 1
-        if stop:
-            server.request_stop(stop[0])
-        _progress(1.0, "ready")
-        ready = {
-            "endpoint": endpoint,
-            "pub_endpoint": pub_endpoint,
-            "protocol_version": P.PROTOCOL_VERSION,
-            "pid": os.getpid(),
-            "model": server._model_info.name if server._model_info else None,
-        }
-        print(f"{P.READY_PREFIX} {json.dumps(ready)}", flush=True)
-        log.info("serving on %s (telemetry %s)", endpoint, pub_endpoint)
-        return server.serve_forever()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_proc.server", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
     sys.exit(main())
-
-
-__all__ = [
-    "EngineServer",
-    "ServerConfig",
-    "add_arguments",
-    "run",
-    "main",
-    "telemetry_from_snapshot",
-]

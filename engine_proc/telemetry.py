@@ -25,6 +25,7 @@ _MAX_EVENTS = 1 << 16  # bounded: nobody may make the engine hold unbounded hist
 @dataclass(slots=True)
 class EngineStats:
     prompt_tokens_total: int = 0  # prompt tokens computed (cache hits excluded)
+    request_prompt_tokens_total: int = 0  # prompt tokens of the requests added (as received)
     generation_tokens_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -92,6 +93,7 @@ def counters(
     slots_filled = int(blocks.filled[in_use_mask].sum())
     return {
         "prompt_tokens_total": stats.prompt_tokens_total,
+        "request_prompt_tokens_total": stats.request_prompt_tokens_total,
         "generation_tokens_total": stats.generation_tokens_total,
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,

@@ -6,6 +6,7 @@ Plain Python and numpy only, so the server can pack them for the wire without to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -64,3 +65,6 @@ class EngineSnapshot:
     config: dict[str, int | bool]  # the live limits and prefix-caching switch
     token_events: list[TokenEvent] = field(default_factory=list)  # since the previous snapshot
     steps: list[StepStats] = field(default_factory=list)  # since the previous snapshot
+    # Cumulative since start: engine_proc.metrics.Histogram by name, finishes by reason.
+    histograms: dict[str, Any] = field(default_factory=dict)
+    finished_reasons: dict[str, int] = field(default_factory=dict)

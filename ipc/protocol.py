@@ -101,6 +101,11 @@ class SamplingOptions(msgspec.Struct, **_STRICT):
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI: subtracted once from every seen output token
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0, HF/vLLM: divides (or multiplies) prompt+output logits
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> [-100, 100]
+    logprobs: int | None = None  # None = off; k >= 0: the chosen token's logprob and the top k
 
 
 SAMPLING_FIELDS = tuple(SamplingOptions.__struct_fields__)
@@ -176,6 +181,27 @@ class Generate(_ClientMsg, tag="generate", kw_only=True):
             raise ValueError("`messages` must not be empty")
 
 
+class Tokenize(_ClientMsg, tag="tokenize", kw_only=True):
+    """Text or chat -> token ids, as `generate` would see them; answered with `tokenized`."""
+
+    request_id: RequestId  # echoed in the reply (not a generate request: never in flight)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: BOS as generate adds it
+    add_generation_prompt: bool = True  # messages only: the assistant turn's opening
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of `prompt` and `messages` must be given")
+
+
+class Detokenize(_ClientMsg, tag="detokenize", kw_only=True):
+    """Token ids -> text; answered with `tokenized`."""
+
+    request_id: RequestId
+    token_ids: list[int]
+
+
 class Abort(_ClientMsg, tag="abort", kw_only=True):
     request_id: RequestId
 
@@ -241,6 +267,23 @@ class Welcome(_EngineMsg, tag="welcome", kw_only=True):
     server_time: float  # engine monotonic clock
 
 
+class TopLogprob(msgspec.Struct, kw_only=True, array_like=True):
+    """One candidate: sent as a 3-element array [token_id, token, logprob] (compact)."""
+
+    token_id: int
+    token: str  # the token decoded alone (may hold U+FFFD for part of a character)
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, kw_only=True):
+    """Log-probabilities of one sampled token (log-softmax of the model's raw logits)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []  # the k most likely tokens, best first (k = sampling.logprobs)
+
+
 class Delta(_EngineMsg, tag="delta", kw_only=True):
     request_id: str
     index: int  # sequence index within the request (0..n-1)
@@ -248,6 +291,7 @@ class Delta(_EngineMsg, tag="delta", kw_only=True):
     text: str  # text that became final in this step
     token_times: list[float]  # engine monotonic clock, one per new token
     time: float  # engine clock when the delta was sent
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when asked for
 
 
 class Finish(_EngineMsg, tag="finish", kw_only=True):
@@ -260,6 +304,15 @@ class Finish(_EngineMsg, tag="finish", kw_only=True):
     e2e: float | None = None
     queue_time: float | None = None
     error: str | None = None  # why, when reason is abort or error
+
+
+class Tokenized(_EngineMsg, tag="tokenized", kw_only=True):
+    """Reply to `tokenize` and `detokenize`."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str  # detokenize: the decoded text; tokenize: the text that was tokenized
+    max_model_len: int
 
 
 class ControlAck(_EngineMsg, tag="control_ack", kw_only=True):
@@ -339,6 +392,7 @@ class RequestState(msgspec.Struct, kw_only=True):
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    origin: str = ""  # client_name of the client that sent it ("http", "gui", ...)
 
 
 class TokenEvent(msgspec.Struct, kw_only=True):
@@ -356,6 +410,16 @@ class StepStats(msgspec.Struct, kw_only=True):
     num_waiting: int
 
 
+class Histogram(msgspec.Struct, kw_only=True):
+    """A cumulative histogram since the engine started: `counts[i]` observations fell in
+    (bounds[i-1], bounds[i]], the last entry above every bound (+Inf); never reset, so a
+    subscriber that lost snapshots still reads exact totals."""
+
+    bounds: list[float]
+    counts: list[int]  # len(bounds) + 1
+    sum: float
+
+
 class Telemetry(_EngineMsg, tag="telemetry", kw_only=True):
     seq: int  # increases by one per published snapshot (gaps = dropped snapshots)
     time: float  # engine monotonic clock
@@ -366,12 +430,30 @@ class Telemetry(_EngineMsg, tag="telemetry", kw_only=True):
     token_events: list[TokenEvent] = msgspec.field(default_factory=list)  # since previous seq
     steps: list[StepStats] = msgspec.field(default_factory=list)  # since previous seq
     num_clients: int = 0
+    # Cumulative since start (names below); empty from engines that keep none.
+    histograms: dict[str, Histogram] = msgspec.field(default_factory=dict)
+    finished_reasons: dict[str, int] = msgspec.field(default_factory=dict)  # stop/length/abort/..
+
+
+# Histogram names in Telemetry.histograms (vLLM's metric names without prefix and unit suffix
+# where they have one): observed per finished sequence unless noted.
+HISTOGRAM_NAMES = (
+    "time_to_first_token_seconds",  # at the first token
+    "inter_token_latency_seconds",  # per output token after the first
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "iteration_tokens_total",  # per engine step: tokens computed in it
+)
 
 
 # ---------------------------------------------------------------- unions, codecs
 
-ClientMessage = Hello | Generate | Abort | Control | Heartbeat | Goodbye
-EngineMessage = Welcome | Delta | Finish | ControlAck | Error | Heartbeat | Goodbye
+ClientMessage = Hello | Generate | Tokenize | Detokenize | Abort | Control | Heartbeat | Goodbye
+EngineMessage = Welcome | Delta | Finish | Tokenized | ControlAck | Error | Heartbeat | Goodbye
 PubMessage = Telemetry | Heartbeat | Goodbye
 
 CLIENT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in get_args(ClientMessage))

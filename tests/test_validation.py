@@ -24,12 +24,43 @@ def engine():
         ({"n": 0}, "n", ">= 1"),
         ({"seed": -3}, "seed", "[0, 2**63)"),
         ({"stop": [""]}, "stop", "non-empty"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+        ({"presence_penalty": "1"}, "presence_penalty", "[-2, 2]"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty", "[-2, 2]"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty", "[-2, 2]"),
+        ({"frequency_penalty": True}, "frequency_penalty", "[-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty", "> 0"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty", "finite"),
+        ({"repetition_penalty": None}, "repetition_penalty", "> 0"),
+        ({"logit_bias": [1, 2]}, "logit_bias", "dict"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias", "integers >= 0"),
+        ({"logit_bias": {"abc": 1.0}}, "logit_bias", "integers >= 0"),
+        ({"logit_bias": {"-3": 1.0}}, "logit_bias", "integers >= 0"),
+        ({"logit_bias": {1.5: 1.0}}, "logit_bias", "integers >= 0"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": {5: "1"}}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": {5: 1.0, "5": 2.0}}, "logit_bias", "twice"),
+        ({"logprobs": -1}, "logprobs", "[0, 20]"),
+        ({"logprobs": 21}, "logprobs", "[0, 20]"),
+        ({"logprobs": 2.0}, "logprobs", "[0, 20]"),
+        ({"logprobs": True}, "logprobs", "[0, 20]"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field, allowed):
     with pytest.raises(ValueError) as err:
         SamplingParams(**kwargs)
     assert field in str(err.value) and allowed in str(err.value)
+
+
+def test_logit_bias_takes_json_string_keys_and_the_engine_checks_the_vocabulary(engine):
+    params = SamplingParams(logit_bias={"17": 3, 4: -100.0}, logprobs=0)
+    assert params.logit_bias == {17: 3.0, 4: -100.0}
+    with pytest.raises(ValueError) as err:
+        engine.add_request("bad", [1, 2], SamplingParams(logit_bias={5: 1.0, 128: 2.0}))
+    assert "logit_bias" in str(err.value) and "[0, 128)" in str(err.value)
+    assert not engine.is_active("bad")
+    engine.add_request("ok", [1, 2], SamplingParams(logit_bias={127: 1.0}, max_tokens=1))
 
 
 @pytest.mark.parametrize(

@@ -27,3 +27,21 @@ def tiny(args: argparse.Namespace) -> LLMEngine:
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     return tiny_engine(**config)
+
+
+def paced_tiny(args: argparse.Namespace) -> LLMEngine:
+    """The tiny engine with every step padded to at least 20 ms, so that a test can act while a
+    request is still running (the tiny model alone runs 400 tokens in a fraction of a second)."""
+    import time
+
+    engine = tiny(args)
+    step = engine.step
+
+    def paced_step():  # type: ignore[no-untyped-def]
+        start = time.monotonic()
+        outputs = step()
+        time.sleep(max(0.0, 0.02 - (time.monotonic() - start)))
+        return outputs
+
+    engine.step = paced_step  # type: ignore[method-assign]
+    return engine

@@ -1,0 +1,253 @@
+"""`kvscope serve` / `python -m app serve`: an OpenAI-compatible HTTP server for the engine.
+
+Without --connect it spawns `python -m engine_proc serve` (the GUI's supervisor, with load
+progress on the terminal) and serves HTTP at once: /health answers 503 while the model loads.
+With --connect tcp://... it fronts an engine that is already running (and reattaches when that
+engine comes back after going away).
+
+    python -m app serve --port 8000
+    curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \
+        -d '{"messages": [{"role": "user", "content": "Hi!"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import socket
+import sys
+from typing import Any
+
+from app.api.server import EngineLink, ServerSettings, create_app, is_loopback_host
+from app.supervisor import DECODE_WEIGHTS, DTYPES, EngineOptions, EngineSupervisor, engine_command
+from ipc.client import EngineError
+
+log = logging.getLogger("app.api.serve")
+
+MIN_REMOTE_KEY_LENGTH = 16
+EXIT_BAD_OPTIONS = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvscope serve", description="OpenAI-compatible HTTP API and Prometheus metrics."
+    )
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    h.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    h.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="key clients must send as 'Authorization: Bearer KEY' (repeatable; or "
+        "$KVSCOPE_API_KEY). Required (>= 16 characters) for a non-loopback --host",
+    )
+    h.add_argument("--served-model-name", nargs="+", default=None, help="model ids to answer to")
+    h.add_argument("--max-pending", type=int, default=256, help="API calls in flight (then 429)")
+    h.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    h.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
+    h.add_argument("--max-tokens", type=int, default=None, help="cap (default: max_model_len)")
+    h.add_argument("--cors-origin", action="append", default=[], help="allow this origin (CORS)")
+    h.add_argument(
+        "--allowed-host", action="append", default=[], help="extra Host header name on loopback"
+    )
+    e = p.add_argument_group("engine")
+    e.add_argument("--connect", default=None, help="engine ROUTER endpoint (default: spawn one)")
+    e.add_argument("--token", default=None, help="engine access token (or $KVSCOPE_TOKEN)")
+    e.add_argument("--model", default=None, help="GGUF file or HF directory")
+    e.add_argument("--dtype", default=None, choices=DTYPES)
+    e.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument(
+        "--decode-weights",
+        default="auto",
+        choices=DECODE_WEIGHTS,
+        help="auto (default): 4-bit decode weights on a CPU, dense on a GPU",
+    )
+    e.add_argument("--engine-args", default="", help="more `engine_proc serve` options")
+    e.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def check_security(args: argparse.Namespace, keys: list[str]) -> str | None:
+    """Why these options must not start (None: fine)."""
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
+    if not is_loopback_host(args.host):
+        if not keys:
+            return (
+                f"--host {args.host} is not a loopback address: give --api-key (or "
+                f"$KVSCOPE_API_KEY) of at least {MIN_REMOTE_KEY_LENGTH} characters"
+            )
+        short = [k for k in keys if len(k) < MIN_REMOTE_KEY_LENGTH]
+        if short:
+            n = MIN_REMOTE_KEY_LENGTH
+            return f"API keys must have at least {n} characters on --host {args.host}"
+    for name in ("max_pending", "max_body_bytes", "max_n"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if args.max_tokens is not None and args.max_tokens < 1:
+        return f"--max-tokens must be >= 1, got {args.max_tokens}"
+    return None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before anything else starts, so a taken port is a clear error and no engine."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _print_progress(fraction: float, message: str) -> None:
+    sys.stderr.write(f"\r[engine {fraction * 100:5.1f}%] {message[:60]:<60}")
+    sys.stderr.flush()
+
+
+class EngineKeeper:
+    """Keeps the link to the engine: spawns it (or attaches), notices it going away, and
+    reattaches to a --connect endpoint that answers again."""
+
+    def __init__(self, link: EngineLink, args: argparse.Namespace, token: str | None) -> None:
+        self.link = link
+        self.args = args
+        self.token = token
+        self.endpoint: str | None = args.connect
+        self.supervisor: EngineSupervisor | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.endpoint is None:
+            self._spawn()
+        self.task = asyncio.create_task(self._watch())
+
+    def _spawn(self) -> None:
+        a = self.args
+        options = EngineOptions(
+            model=a.model, dtype=a.dtype, device=a.device, num_kv_blocks=a.num_kv_blocks,
+            max_model_len=a.max_model_len, decode_weights=a.decode_weights,
+            extra_args=shlex.split(a.engine_args),
+        )  # fmt: skip
+        assert self.loop is not None
+        loop = self.loop
+
+        def ready(info: dict[str, Any]) -> None:
+            sys.stderr.write("\n")
+            loop.call_soon_threadsafe(self._on_ready, str(info["endpoint"]))
+
+        def exited(code: int) -> None:
+            tail = " | ".join(self.supervisor.tail(5)) if self.supervisor else ""
+            loop.call_soon_threadsafe(
+                self.link.mark_gone, f"the engine exited with code {code}: {tail}"
+            )
+
+        self.supervisor = EngineSupervisor(
+            engine_command(options), on_progress=_print_progress, on_ready=ready, on_exit=exited
+        )
+        self.supervisor.start()
+
+    def _on_ready(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    async def _watch(self) -> None:
+        while True:
+            client = self.link.client
+            if client is not None and client.state != "ready" and self.link.status == "ready":
+                self.link.mark_gone(client.gone_reason or "the engine went away")
+            spawned_dead = self.supervisor is not None and not self.supervisor.running()
+            if self.endpoint and self.link.status != "ready" and not spawned_dead:
+                try:
+                    await self.link.attach(self.endpoint, self.token, timeout=2.0)
+                    log.info("attached to the engine at %s", self.endpoint)
+                except EngineError as exc:
+                    if self.link.status != "loading":
+                        self.link.mark_gone(f"the engine at {self.endpoint} does not answer: {exc}")
+            await asyncio.sleep(0.5)
+
+    async def stop(self) -> None:
+        if self.link.client is not None:
+            await self.link.client.close()
+        if self.supervisor is not None:
+            await asyncio.to_thread(self.supervisor.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    keys = list(args.api_key or []) or (
+        [os.environ["KVSCOPE_API_KEY"]] if os.environ.get("KVSCOPE_API_KEY") else []
+    )
+    why = check_security(args, keys)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return EXIT_BAD_OPTIONS
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    settings = ServerSettings(
+        host=args.host,
+        port=sock.getsockname()[1],
+        api_keys=keys,
+        served_model_names=list(args.served_model_name or []),
+        max_body_bytes=args.max_body_bytes,
+        max_pending=args.max_pending,
+        max_n=args.max_n,
+        max_tokens=args.max_tokens,
+        cors_origins=list(args.cors_origin),
+        allowed_hosts=list(args.allowed_host),
+    )
+    token = args.token or os.environ.get("KVSCOPE_TOKEN") or None
+    try:
+        asyncio.run(_serve(settings, args, token, sock))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _serve(
+    settings: ServerSettings, args: argparse.Namespace, token: str | None, sock: socket.socket
+) -> None:
+    import uvicorn
+
+    link = EngineLink()
+    keeper = EngineKeeper(link, args, token)
+    keeper.start()
+    app = create_app(settings, link)
+    config = uvicorn.Config(
+        app, log_level=str(args.log_level).lower(), access_log=False, timeout_keep_alive=30,
+        timeout_graceful_shutdown=3, lifespan="off",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    # One line on stdout, like the engine's READY line: tools (and the GUI) read the URL here.
+    print(f"KVSCOPE_HTTP_READY http://{host}:{settings.port}", flush=True)
+    log.info("OpenAI-compatible API on http://%s:%d/v1", host, settings.port)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        with contextlib.suppress(Exception):
+            await keeper.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
