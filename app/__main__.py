@@ -3,6 +3,7 @@
     kvscope [gui] [options]      the window (spawns the engine, or --connect to a running one)
     kvscope chat ...             terminal chat (app.chat)
     kvscope bench ...            benchmarks (app.bench)
+    kvscope serve ...            OpenAI-compatible HTTP API and Prometheus metrics (app.api.serve)
 
 GUI extras: `--screenshot OUT.png [--load N]` renders the window under load to a PNG and exits;
 `--measure-latency SECONDS [--load 32]` prints the GUI event-loop latency percentiles;
@@ -23,7 +24,7 @@ from typing import Any
 
 from app.supervisor import DECODE_WEIGHTS, DTYPES
 
-SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench"}
+SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench", "serve": "app.api.serve"}
 
 
 def build_parser() -> argparse.ArgumentParser:
