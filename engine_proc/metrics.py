@@ -91,6 +91,8 @@ class RequestHistograms:
                 "request_decode_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
                 "request_prompt_tokens": Histogram(tokens),
                 "request_generation_tokens": Histogram(tokens),
+                "request_max_num_generation_tokens": Histogram(tokens),
+                "request_time_per_output_token_seconds": Histogram(ITL_BUCKETS),
                 "iteration_tokens_total": Histogram(iteration_buckets(max_step_tokens)),
             }
         )
@@ -104,6 +106,9 @@ class RequestHistograms:
         )
         if seq.index == 0:  # one per request, as vLLM counts prompts
             h["request_prompt_tokens"].observe(seq.num_prompt_tokens)
+            h["request_max_num_generation_tokens"].observe(seq.params.max_tokens)
+        if m.tpot is not None:
+            h["request_time_per_output_token_seconds"].observe(m.tpot)
         h["request_generation_tokens"].observe(seq.num_output_tokens)
         if m.e2e is not None:
             h["e2e_request_latency_seconds"].observe(m.e2e)

@@ -446,6 +446,8 @@ HISTOGRAM_NAMES = (
     "request_decode_time_seconds",
     "request_prompt_tokens",
     "request_generation_tokens",
+    "request_max_num_generation_tokens",  # per request: its max_tokens
+    "request_time_per_output_token_seconds",  # per sequence: its mean gap after the first token
     "iteration_tokens_total",  # per engine step: tokens computed in it
 )
 

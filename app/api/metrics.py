@@ -42,6 +42,9 @@ _COUNTERS = {
     ),
 }
 
+# Names older vLLM releases used (their Grafana dashboard still queries them).
+_OLD_NAMES = {"inter_token_latency_seconds": "time_per_output_token_seconds"}
+
 _HISTOGRAM_HELP = {
     "time_to_first_token_seconds": "Time from arrival to the first output token.",
     "inter_token_latency_seconds": "Time between two consecutive output tokens of a sequence.",
@@ -51,6 +54,9 @@ _HISTOGRAM_HELP = {
     "request_decode_time_seconds": "Time from the first token to finish.",
     "request_prompt_tokens": "Prompt length of finished requests.",
     "request_generation_tokens": "Generated tokens of finished sequences.",
+    "request_max_num_generation_tokens": "max_tokens of finished requests.",
+    "request_time_per_output_token_seconds": "Mean time per output token after the first, per "
+    "finished sequence.",
     "iteration_tokens_total": "Tokens computed per engine step.",
 }
 
@@ -79,8 +85,9 @@ class TelemetryCollector:
                     c.get("num_requests_running", 0))  # fmt: skip
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.",
                     c.get("num_requests_waiting", 0))  # fmt: skip
-        yield gauge("kv_cache_usage_perc", "Share of KV blocks in use (0..1).",
-                    c.get("kv_cache_usage_perc", 0.0))  # fmt: skip
+        usage = c.get("kv_cache_usage_perc", 0.0)
+        yield gauge("kv_cache_usage_perc", "Share of KV blocks in use (0..1).", usage)
+        yield gauge("gpu_cache_usage_perc", "Deprecated name of kv_cache_usage_perc.", usage)
         for key, (name, doc) in _COUNTERS.items():
             if key in c:
                 counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
@@ -95,6 +102,9 @@ class TelemetryCollector:
         yield success
         for name, h in tel.histograms.items():
             yield _histogram(PREFIX + name, _HISTOGRAM_HELP.get(name, name), labels, values, h)
+            if name in _OLD_NAMES:  # what dashboards made for older vLLM releases query
+                yield _histogram(PREFIX + _OLD_NAMES[name], "Deprecated name of " + name,
+                                 labels, values, h)  # fmt: skip
         yield from self._kvscope_only(tel, labels, values)
         yield self._cache_config(tel)
 

@@ -289,7 +289,7 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
         return JSONResponse(error_body(500, f"internal server error: {exc}"), status_code=500)
 
     def served_names() -> list[str]:
-        return settings.served_model_names or [link.model_info.name]
+        return settings.served_model_names or [default_model_id(link.model_info.name)]
 
     def limits() -> R.Limits:
         info = link.model_info
@@ -410,6 +410,12 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
                 app.state.in_flight -= 1
 
     return app
+
+
+def default_model_id(name: str) -> str:
+    """A model id clients can type: the engine's display name without its "(format)" note,
+    spaces as dashes ("SmolLM2-135M-Instruct (Q4_1 GGUF)" -> "SmolLM2-135M-Instruct")."""
+    return name.split(" (", 1)[0].strip().replace(" ", "-") or "model"
 
 
 def _model_field(body: Any) -> str | None:

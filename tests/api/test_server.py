@@ -476,3 +476,31 @@ def test_greedy_logprob_of_chosen_token_is_the_max(sdk) -> None:
     for lp, top in zip(got.choices[0].logprobs.token_logprobs,
                        got.choices[0].logprobs.top_logprobs, strict=True):  # fmt: skip
         assert math.isclose(lp, max(top.values()), abs_tol=1e-6)
+
+
+# Every series vLLM's example Grafana dashboard (examples/online_serving/prometheus_grafana)
+# queries, without its `vllm:` prefix; each query filters on the model_name label.
+VLLM_DASHBOARD_SERIES = (
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
+    "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total",
+    "time_per_output_token_seconds_bucket", "time_per_output_token_seconds_sum",
+    "time_per_output_token_seconds_count", "num_requests_running", "num_requests_waiting",
+    "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum",
+    "time_to_first_token_seconds_count", "gpu_cache_usage_perc", "request_prompt_tokens_bucket",
+    "request_generation_tokens_bucket", "request_success_total", "request_queue_time_seconds_sum",
+    "request_prefill_time_seconds_sum", "request_decode_time_seconds_sum",
+    "request_max_num_generation_tokens_sum",
+)  # fmt: skip
+
+
+def test_vllm_grafana_dashboard_series_exist_with_the_kvscope_prefix(server, sdk) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sdk.completions.create(model=MODEL, prompt="warm", max_tokens=2)
+    text = httpx.get(server.url + "/metrics").text
+    series = {
+        s.name: s.labels for family in text_string_to_metric_families(text) for s in family.samples
+    }
+    for name in VLLM_DASHBOARD_SERIES:
+        assert "kvscope:" + name in series, name
+        assert series["kvscope:" + name].get("model_name") == MODEL, name
