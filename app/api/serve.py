@@ -22,7 +22,8 @@ import socket
 import sys
 from typing import Any
 
-from app.api.server import EngineLink, ServerSettings, create_app, is_loopback_host
+from app.api.guard import is_loopback_host
+from app.api.server import EngineLink, ServerSettings, create_app
 from app.supervisor import DECODE_WEIGHTS, DTYPES, EngineOptions, EngineSupervisor, engine_command
 from ipc.client import EngineError
 

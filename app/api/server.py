@@ -1,45 +1,35 @@
-"""The ASGI app of the OpenAI-compatible API: security first, then bounded work, then routes.
-
-Order of checks for every request: the Host header (on loopback binds it must name a loopback
-host: DNS rebinding against local LLM servers is a known attack), the API key (everything but
-/health, /metrics and /version), then the body (JSON only, bounded size). Work is bounded too:
-at most `max_pending` calls in flight (429 with retry-after beyond), and every engine request of
-a call that ends early (client gone, error) is aborted.
+"""The ASGI app of the OpenAI-compatible API: security first (guard.py), then bounded work,
+then routes. At most `max_pending` calls are in flight (429 with retry-after beyond), and every
+engine request of a call that ends early (client gone, error) is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api import requests as R
 from app.api.errors import APIError, error_body
 from app.api.generation import Generation, api_error_of
+from app.api.guard import GuardMiddleware, is_loopback_host, read_json
 from app.api.metrics import render as render_metrics
 from app.api.responses import Reply
+from app.api.streaming import SSEResponse, first_events, stream_chunks, wait_disconnect
 from ipc import protocol as P
 from ipc.async_client import AsyncEngineClient
 from ipc.client import EngineError
 
 log = logging.getLogger(__name__)
-
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
 @dataclass(slots=True)
@@ -58,11 +48,6 @@ class ServerSettings:
     @property
     def loopback(self) -> bool:
         return is_loopback_host(self.host)
-
-
-def is_loopback_host(host: str) -> bool:
-    h = host.strip("[]").lower()
-    return h in ("localhost", "::1") or h.startswith("127.")
 
 
 class EngineLink:
@@ -103,150 +88,6 @@ class EngineLink:
 
     def mark_gone(self, why: str) -> None:
         self.status, self.detail = "gone", why
-
-
-# ------------------------------------------------------------------ security and limits
-
-
-class GuardMiddleware:
-    """Host check, then API key, before any route runs (pure ASGI: no per-request task)."""
-
-    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
-        self.app = app
-        self.settings = settings
-        self.key_digests = [hashlib.sha256(k.encode()).digest() for k in settings.api_keys]
-        self.allowed = {h.lower() for h in settings.allowed_hosts} | LOOPBACK_HOSTS
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        error = self._check(scope, headers)
-        if error is not None:
-            await _send_json(send, error.status, error.body(), error.headers)
-            return
-        await self.app(scope, receive, send)
-
-    def _check(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
-        if self.settings.loopback:
-            host = _host_name(headers.get("host", ""))
-            if host not in self.allowed:
-                return APIError(
-                    403,
-                    f"Host header {headers.get('host', '')!r} is not allowed: this server listens "
-                    "on loopback and answers only Host localhost, 127.0.0.1 or [::1] "
-                    "(--allowed-host adds names)",
-                    code="host_not_allowed",
-                )
-        path = scope["path"]
-        if self.key_digests and path not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            auth = headers.get("authorization", "")
-            scheme, _, given = auth.partition(" ")
-            if not given and "x-api-key" in headers:
-                scheme, given = "bearer", headers["x-api-key"]
-            digest = hashlib.sha256(given.strip().encode()).digest()
-            ok = scheme.lower() == "bearer" and any(
-                secrets.compare_digest(digest, d) for d in self.key_digests
-            )
-            if not ok:
-                return APIError(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                    headers={"www-authenticate": "Bearer"},
-                )
-        return None
-
-
-def _host_name(host: str) -> str:
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-async def _send_json(
-    send: Send, status: int, body: Any, headers: dict[str, str] | None = None
-) -> None:
-    data = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": data})
-
-
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The JSON body: 415 when it is not JSON, 413 over the limit, 400 when it does not parse."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"the body has {declared} bytes; the limit is {max_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the body is over the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-
-
-# ------------------------------------------------------------------ streaming
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-class SSEResponse(Response):
-    """Server-sent events that end their producer the moment the client disconnects (whatever
-    the ASGI server's spec version), then run `on_close` (which aborts engine requests)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
-    ) -> None:
-        super().__init__(content=None, media_type=self.media_type)
-        self.headers["cache-control"] = "no-cache"
-        self.headers["x-accel-buffering"] = "no"
-        del self.headers["content-length"]
-        self.events = events
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        producer = asyncio.create_task(self._pump(send))
-        listener = asyncio.create_task(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({producer, listener}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (producer, listener):
-                task.cancel()
-            for task in (producer, listener):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            await self.on_close()
-
-    async def _pump(self, send: Send) -> None:
-        async for chunk in self.events:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 # ------------------------------------------------------------------ the app
@@ -399,9 +240,9 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
         try:
             await gen.start()
             if plan.stream:
-                first = await _until_disconnect(request, _first_events(gen))
+                first = await _until_disconnect(request, first_events(gen))
                 handed_over = True
-                return SSEResponse(_stream(reply, gen, first), on_close=_closer(app, gen))
+                return SSEResponse(stream_chunks(reply, gen, first), on_close=_closer(app, gen))
             await _until_disconnect(request, _collect(reply, gen))
             return JSONResponse(reply.response())
         finally:
@@ -435,7 +276,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run `work`, cancelling it when the client disconnects first (then 499-like: the
     response is never read, the caller's finally aborts the engine requests)."""
     task = asyncio.ensure_future(work)
-    listener = asyncio.create_task(_wait_disconnect(request.receive))
+    listener = asyncio.create_task(wait_disconnect(request.receive))
     try:
         await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -452,53 +293,3 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 async def _collect(reply: Reply, gen: Generation) -> None:
     async for index, msg in gen.events():
         reply.add(index, msg)
-
-
-async def _first_events(gen: Generation) -> list[tuple[int, Any]]:
-    """Wait for the first message of every engine request, so that a refused request (bad
-    values, prompt too long) still gets its 4xx status before the stream starts."""
-    seen: set[int] = set()
-    first: list[tuple[int, Any]] = []
-    events = gen.events()
-    while len(seen) < len(gen.streams):
-        try:
-            index, msg = await anext(events)
-        except StopAsyncIteration:
-            break
-        seen.add(index)
-        first.append((index, msg))
-    return first
-
-
-async def _stream(
-    reply: Reply, gen: Generation, first: list[tuple[int, Any]]
-) -> AsyncIterator[bytes]:
-    started: set[int] = set()
-    offsets = [0] * len(reply.choices)
-
-    def chunks(index: int, msg: P.Delta | P.Finish) -> list[bytes]:
-        choice = reply.add(index, msg)
-        out = []
-        if reply.plan.kind == "chat" and choice.index not in started:
-            started.add(choice.index)
-            out.append(sse(reply.role_chunk(choice)))
-        if isinstance(msg, P.Delta):
-            if msg.text or msg.logprobs:
-                out.append(sse(reply.delta_chunk(choice, msg, offsets[choice.index])))
-                offsets[choice.index] += len(msg.text)
-        else:
-            out.append(sse(reply.finish_chunk(choice)))
-        return out
-
-    try:
-        for index, msg in first:
-            for chunk in chunks(index, msg):
-                yield chunk
-        async for index, msg in gen.events():
-            for chunk in chunks(index, msg):
-                yield chunk
-        if reply.plan.include_usage:
-            yield sse(reply.usage_chunk())
-    except APIError as exc:
-        yield sse(exc.body())
-    yield SSE_DONE
