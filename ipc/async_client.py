@@ -104,6 +104,7 @@ class AsyncEngineClient:
         self._replies: dict[str, asyncio.Future[Any]] = {}  # tokenize / control replies
         self._tasks: list[asyncio.Task[None]] = []
         self._welcome: asyncio.Future[P.Welcome] | None = None
+        self._telemetry_taps: set[asyncio.Queue[bytes]] = set()
         self.dealer = self._ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.ROUTING_ID, b"a" + os.urandom(11))
         self.dealer.setsockopt(zmq.LINGER, 0)
@@ -315,8 +316,25 @@ class AsyncEngineClient:
                 if self.telemetry is not None and msg.seq > self.telemetry.seq + 1:
                     self.telemetry_gaps += msg.seq - self.telemetry.seq - 1
                 self.telemetry = msg
+                self._feed_taps(frames[1])
             elif isinstance(msg, P.Goodbye):
                 self._mark_gone(f"engine shutting down: {msg.reason}")
+
+    def tap_telemetry(self, maxsize: int = 16) -> asyncio.Queue[bytes]:
+        """A queue of every telemetry snapshot from now on, as the engine encoded it. A reader
+        that falls behind loses the oldest (like a PUB subscriber); `untap_telemetry` ends it."""
+        tap: asyncio.Queue[bytes] = asyncio.Queue(maxsize)
+        self._telemetry_taps.add(tap)
+        return tap
+
+    def untap_telemetry(self, tap: asyncio.Queue[bytes]) -> None:
+        self._telemetry_taps.discard(tap)
+
+    def _feed_taps(self, raw: bytes) -> None:
+        for tap in self._telemetry_taps:
+            if tap.full():
+                tap.get_nowait()
+            tap.put_nowait(raw)
 
     async def _keepalive(self) -> None:
         assert self.welcome is not None

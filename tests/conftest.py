@@ -67,3 +67,50 @@ def native_bf16(request, monkeypatch):
 
     monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: request.param)
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    """A tiny random Llama with the default model's real tokenizer and chat template."""
+    from tests.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("llama", num_layers=2, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_dir):
+    """One `python -m app serve` process for the HTTP tests (tests/api, tests/remote): the tiny
+    model, dense float32 weights, an API key, a served model name."""
+    from tests.api.helpers import API_KEY, MODEL, NUM_BLOCKS, ServeProc
+
+    proc = ServeProc(
+        [
+            "--port", "0", "--model", str(tiny_dir), "--dtype", "float32",
+            "--decode-weights", "dense", "--api-key", API_KEY, "--served-model-name", MODEL,
+            "--engine-args", f"--num-threads 1 --num-kv-blocks {NUM_BLOCKS} --telemetry-hz 50",
+        ]
+    )  # fmt: skip
+    try:
+        yield proc.wait_healthy()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture()
+def sdk(server):
+    import openai
+
+    from tests.api.helpers import API_KEY
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def async_sdk(server):
+    import openai
+
+    from tests.api.helpers import API_KEY
+
+    return openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )

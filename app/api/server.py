@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -30,6 +30,8 @@ from ipc.async_client import AsyncEngineClient
 from ipc.client import EngineError
 
 log = logging.getLogger(__name__)
+
+TELEMETRY_MEDIA_TYPE = "application/vnd.kvscope.msgpack"  # docs/PROTOCOL.md section 9
 
 
 @dataclass(slots=True)
@@ -223,6 +225,33 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
         except EngineError as exc:
             raise api_error_of(exc) from None
         return {"prompt": out.text}
+
+    @app.get("/kvscope/welcome")
+    async def kvscope_welcome() -> Response:
+        """The engine's hello answer (model, live config), for a window attached over HTTP."""
+        client = link.ready_client()
+        assert client.welcome is not None
+        return Response(P.encode(client.welcome), media_type=TELEMETRY_MEDIA_TYPE)
+
+    @app.get("/kvscope/telemetry")
+    async def kvscope_telemetry() -> Response:
+        """Every telemetry snapshot, as the engine's PUB sends it: frames of a 4-byte big-endian
+        length and one MessagePack Telemetry. A slow reader loses the oldest snapshots."""
+        client = link.ready_client()
+        tap = client.tap_telemetry()
+
+        async def frames() -> AsyncIterator[bytes]:
+            while client.state == "ready":
+                try:
+                    raw = await asyncio.wait_for(tap.get(), timeout=5.0)
+                except TimeoutError:
+                    continue
+                yield len(raw).to_bytes(4, "big") + raw
+
+        async def close() -> None:
+            client.untap_telemetry(tap)
+
+        return SSEResponse(frames(), on_close=close, media_type=TELEMETRY_MEDIA_TYPE)
 
     async def run_plan(request: Request, plan: R.GenerationPlan) -> Response:
         R.check_model(plan.model or None, served_names())

@@ -25,15 +25,17 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class SSEResponse(Response):
-    """Server-sent events that end their producer the moment the client disconnects (whatever
-    the ASGI server's spec version), then run `on_close` (which aborts engine requests)."""
-
-    media_type = "text/event-stream"
+    """A streamed body (server-sent events by default) that ends its producer the moment the
+    client disconnects (whatever the ASGI server's spec version), then runs `on_close` (which
+    aborts engine requests)."""
 
     def __init__(
-        self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        media_type: str = "text/event-stream",
     ) -> None:
-        super().__init__(content=None, media_type=self.media_type)
+        super().__init__(content=None, media_type=media_type)
         self.headers["cache-control"] = "no-cache"
         self.headers["x-accel-buffering"] = "no"
         del self.headers["content-length"]

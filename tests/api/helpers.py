@@ -16,6 +16,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-0123456789abcdef"
 MODEL = "tiny-llama"
+NUM_BLOCKS = 256
 
 
 class ServeProc:
