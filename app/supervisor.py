@@ -149,8 +149,10 @@ class EngineSupervisor:
         env: dict[str, str] | None = None,
         keep_lines: int = 400,
         nice: int = 0,
+        name: str = "engine",
     ) -> None:
         self.command = list(command)
+        self.name = name  # what the process is called in logs and the exit line
         self.on_progress = on_progress
         self.on_ready = on_ready
         self.on_exit = on_exit
@@ -185,17 +187,17 @@ class EngineSupervisor:
             self._log_fh = open(self.log_file, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
             self._log_fh.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} "
                                f"{' '.join(self.command)}\n")
-        log.info("starting engine: %s", " ".join(self.command))
+        log.info("starting %s: %s", self.name, " ".join(self.command))
         self.proc = subprocess.Popen(
             self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
             env=env, text=True, encoding="utf-8", errors="replace", bufsize=1,
             preexec_fn=_child_setup(self.nice) if sys.platform.startswith("linux") else None,
         )
         out = threading.Thread(target=self._read, args=(self.proc.stdout, True),
-                               name="engine-stdout", daemon=True)
+                               name=f"{self.name}-stdout", daemon=True)
         err = threading.Thread(target=self._read, args=(self.proc.stderr, False),
-                               name="engine-stderr", daemon=True)
-        waiter = threading.Thread(target=self._wait, name="engine-wait", daemon=True)
+                               name=f"{self.name}-stderr", daemon=True)
+        waiter = threading.Thread(target=self._wait, name=f"{self.name}-wait", daemon=True)
         self._threads = [out, err, waiter]
         for t in self._threads:
             t.start()
@@ -233,7 +235,7 @@ class EngineSupervisor:
         code = self.proc.wait()
         for t in self._threads[:2]:
             t.join(timeout=2.0)  # the last lines explain the exit: read them first
-        self._keep(f"[engine exited with code {code}]")
+        self._keep(f"[{self.name} exited with code {code}]")
         with self._lock:
             if self._log_fh:
                 self._log_fh.close()
@@ -256,12 +258,23 @@ class EngineSupervisor:
                 p.terminate()
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("engine did not stop within %.1f s: killing it", timeout)
+                log.warning("%s did not stop within %.1f s: killing it", self.name, timeout)
                 p.kill()
                 p.wait(5.0)
             except ProcessLookupError:
                 pass
         return p.returncode
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting (GUI thread): `on_exit` reports the exit; `kill()` after a
+        grace period if it matters that the process is gone."""
+        self._stopping = True
+        p = self.proc
+        if p is not None and p.poll() is None:
+            try:
+                p.terminate()
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         """Hard kill (tests use it to simulate a crash)."""

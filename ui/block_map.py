@@ -1,9 +1,10 @@
 """The KV block map: one cell per physical block, drawn by one ImageItem with a discrete LUT.
 
 Cell colour = block state: empty, cached-evictable, in use (one colour per owning request), shared
-(ref count > 1). Selecting a request dims every block it does not hold and lists its block table
-(logical -> physical). Hovering a cell shows block id, state, ref count, owners, filled slots and
-the short prefix hash.
+(ref count > 1). The request table lists live requests with their origin (the client that sent
+them: gui, load, http, ...). Selecting a request dims every block it does not hold and lists its
+block table (logical -> physical). Hovering a cell shows block id, state, ref count, owners with
+their origin, filled slots and the short prefix hash.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from ui import theme
-from ui.telemetry import BLOCK_CACHED, BLOCK_EMPTY, BLOCK_IN_USE, Frame
+from ui.telemetry import BLOCK_CACHED, BLOCK_EMPTY, BLOCK_IN_USE, Frame, origin_label
 
 # colour indices in the LUT
 GAP, EMPTY, CACHED, SHARED, REQ0 = 0, 1, 2, 3, 4
@@ -47,6 +48,7 @@ def cell_size(n: int) -> tuple[int, int]:
     if n <= 65536:
         return 2, 3
     return 1, 1  # no gap: one pixel per block
+TABLE_COLUMNS = ("request", "origin", "status", "prompt", "hit", "gen", "blocks")
 STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached (evictable)", BLOCK_IN_USE: "in use"}
 SHORT_STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached", BLOCK_IN_USE: "in use"}
 
@@ -105,10 +107,13 @@ class BlockMapWidget(QWidget):
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
 
-        self.table = QTableWidget(0, 6)
-        self.table.setHorizontalHeaderLabels(["request", "status", "prompt", "hit", "gen",
-                                              "blocks"])
-        self.table.horizontalHeaderItem(3).setToolTip("prompt tokens served by the prefix cache")
+        self.table = QTableWidget(0, len(TABLE_COLUMNS))
+        self.table.setHorizontalHeaderLabels(list(TABLE_COLUMNS))
+        self.table.horizontalHeaderItem(TABLE_COLUMNS.index("origin")).setToolTip(
+            "the client that sent it: gui = this window's chats, load = its load generator, "
+            "http = the OpenAI-compatible API, otherwise the name the client gave the engine")
+        self.table.horizontalHeaderItem(TABLE_COLUMNS.index("hit")).setToolTip(
+            "prompt tokens served by the prefix cache")
         self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.table.verticalHeader().setDefaultSectionSize(20)
         self.table.verticalHeader().setVisible(False)
@@ -118,7 +123,7 @@ class BlockMapWidget(QWidget):
         hdr = self.table.horizontalHeader()
         # fixed widths: ResizeToContents re-measures every row on every cell change (slow)
         hdr.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for i, width in enumerate((58, 50, 40, 40, 48), start=1):
+        for i, width in enumerate((40, 56, 46, 36, 36, 44), start=1):
             hdr.setSectionResizeMode(i, QHeaderView.ResizeMode.Fixed)
             hdr.resizeSection(i, width)
         self.table.itemSelectionChanged.connect(self._on_table_selection)
@@ -144,7 +149,7 @@ class BlockMapWidget(QWidget):
         split.addWidget(side)
         split.setStretchFactor(0, 3)
         split.setStretchFactor(1, 2)
-        split.setSizes([600, 340])
+        split.setSizes([560, 380])
         lay = QHBoxLayout(self)
         lay.setContentsMargins(2, 2, 2, 2)
         lay.addWidget(split)
@@ -271,7 +276,8 @@ class BlockMapWidget(QWidget):
 
     def _fill_table(self, f: Frame) -> None:
         reqs = [r for r in f.requests if r.status != "finished"]
-        rows = [(r.request_id, r.status, str(r.num_prompt_tokens), str(r.num_cached_tokens),
+        rows = [(r.request_id, origin_label(r.origin, r.request_id), r.status,
+                 str(r.num_prompt_tokens), str(r.num_cached_tokens),
                  str(r.num_generated_tokens), str(len(r.block_table))) for r in reqs]
         now = time.monotonic()
         # each QTableWidgetItem.setText re-lays the table out: only changed cells, at most 4 Hz
@@ -347,6 +353,10 @@ class BlockMapWidget(QWidget):
         assert f is not None and 0 <= b < f.num_blocks
         state = _state_name(f, b, STATE_NAMES)
         owners = self._owners.get(b, [])
+        if owners:  # hover only: look the origins up here rather than on every redraw
+            origins = {r.request_id: origin_label(r.origin, r.request_id) for r in f.requests
+                       if r.request_id in owners}
+            owners = [f"{rid} ({origins[rid]})" if rid in origins else rid for rid in owners]
         h = int(f.short_hash[b])
         return (f"block {b}\nstate: {state}\nref count: {int(f.ref_count[b])}\n"
                 f"owners: {', '.join(owners) if owners else '—'}\n"

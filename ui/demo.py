@@ -57,7 +57,8 @@ class DemoLink(QObject):
         self.timer.stop()
 
     def generate(self, request_id: str, messages: list, sampling: dict) -> None:
-        self.engine.add(prompt=40 + 8 * len(messages), max_out=int(sampling.get("max_tokens", 64)))
+        self.engine.add(prompt=40 + 8 * len(messages), max_out=int(sampling.get("max_tokens", 64)),
+                        origin="gui")
         self.chats[request_id] = _REPLY.split(" ")[: int(sampling.get("max_tokens", 64))]
 
     def abort(self, request_id: str) -> None:

@@ -21,7 +21,7 @@ from PySide6.QtCore import QObject, Signal
 from app.load_generator import LoadConfig, LoadGenerator, drive
 from ipc import protocol as P
 from ipc.client import ERR_ENGINE_GONE, EngineConnection
-from ui.telemetry import Frame
+from ui.telemetry import GUI_ORIGIN, Frame
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class EngineLink(QObject):
     def _run(self) -> None:
         conn: EngineConnection | None = None
         try:
-            conn = EngineConnection(self.endpoint, token=self.token, client_name="kvscope-gui")
+            conn = EngineConnection(self.endpoint, token=self.token, client_name=GUI_ORIGIN)
             if not self._handshake(conn):
                 return
             self._loop(conn)

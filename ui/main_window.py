@@ -3,6 +3,7 @@ the status bar; an error banner with the engine's last log lines and Restart whe
 
 Engine lifecycle: `EngineSource` says whether we spawn the engine (through app.supervisor) or
 attach to one (`--connect`). Either way one `EngineLink` worker thread carries all ZeroMQ traffic.
+*Engine → Serve OpenAI API…* runs an HTTP front-end for the same engine (ui/api_server.py).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from app.load_generator import LoadConfig
 from app.settings import load_sampling, save_sampling
 from app.supervisor import EngineOptions, EngineSupervisor, engine_command
 from ui import theme
+from ui.api_server import DEFAULT_PORT, OFF, SERVING, WAITING, ApiServer, ApiServerDialog
 from ui.block_map import BlockMapWidget
 from ui.charts import ChartsWidget
 from ui.chat_panel import ChatPanel
 from ui.controls import ControlsPanel, LoadPanel
 from ui.engine_link import EngineLink
-from ui.telemetry import Frame, History
+from ui.telemetry import HTTP_ORIGIN, Frame, History
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,12 @@ class MainWindow(QMainWindow):
         self._closing = False
         self._frames_seen = 0
         self._bridge: _SupervisorBridge | None = None
+        self.engine_endpoint: str | None = None  # where the link connects (what the API fronts)
+        self.api = ApiServer(token=source.token,
+                             log_file=(data_dir / "api.log") if data_dir else None, parent=self)
+        self.api_dialog: ApiServerDialog | None = None
+        self.api_error_box: QMessageBox | None = None
+        self._http_in_flight = 0
         # seconds spent in the GUI thread's own handlers (the latency benchmark reports them)
         self.perf: dict[str, collections.deque[float]] = {
             k: collections.deque(maxlen=10_000) for k in ("refresh", "frames", "replies")}
@@ -134,6 +142,9 @@ class MainWindow(QMainWindow):
         self.controls.control.connect(self._on_control)
         self.load_panel.start.connect(self.start_load)
         self.load_panel.stop.connect(lambda: self.link and self.link.stop_load())
+        self.api.state_changed.connect(self._on_api_state)
+        self.api.failed.connect(self._on_api_failed)
+        self.api.restarted.connect(lambda ep: log.info("API server restarted against %s", ep))
 
         # charts and block map redraw on alternate ticks: each at refresh_hz, and no single
         # event does both (shorter events = lower event-loop latency)
@@ -227,6 +238,14 @@ class MainWindow(QMainWindow):
         if self.source.connect:  # an attached engine keeps what it was started with
             weights.setEnabled(False)
             weights.setToolTip("set when the engine starts; this window attached to a running one")
+        menu.addSeparator()
+        api = self.api_action = QAction("Serve &OpenAI API…", self, checkable=True)
+        api.setToolTip("an OpenAI-compatible HTTP API on 127.0.0.1 for this window's engine")
+        api.triggered.connect(self._on_api_toggled)
+        menu.addAction(api)
+        menu.setToolTipsVisible(True)
+        if self._is_demo():
+            api.setEnabled(False)
 
     def set_decode_weights(self, value: str) -> None:
         """Remember the choice and restart a spawned engine with it (an attached engine keeps
@@ -259,6 +278,76 @@ class MainWindow(QMainWindow):
             "will stop (the text so far is kept). Restart now?")
         return answer == QMessageBox.StandardButton.Yes
 
+    # --- OpenAI-compatible API ---------------------------------------------------------------
+    def _is_demo(self) -> bool:
+        return bool(self.source.connect and self.source.connect.startswith("demo:"))
+
+    def _on_api_toggled(self, checked: bool) -> None:
+        """The menu action (user-triggered only): on asks for port and key first."""
+        if not checked:
+            self.api.stop()
+            return
+        try:
+            port = int(self.settings.value("api/port", DEFAULT_PORT))
+        except (TypeError, ValueError):
+            port = DEFAULT_PORT
+        dialog = ApiServerDialog(port if 0 <= port <= 65535 else DEFAULT_PORT, self)
+        dialog.accepted.connect(self._on_api_dialog_accepted)
+        dialog.rejected.connect(self._on_api_dialog_rejected)
+        dialog.finished.connect(dialog.deleteLater)
+        self.api_dialog = dialog
+        dialog.open()  # window-modal, returns at once: the event loop keeps running
+
+    def _on_api_dialog_accepted(self) -> None:
+        dialog = self.sender()
+        if dialog is not self.api_dialog:
+            return
+        port, key = dialog.values()
+        self.api_dialog = None
+        self.settings.setValue("api/port", port)  # never the key
+        self.api.start(port, key)
+
+    def _on_api_dialog_rejected(self) -> None:
+        if self.sender() is self.api_dialog:
+            self.api_dialog = None
+            self.api_action.setChecked(self.api.wanted)
+
+    def _on_api_state(self, state: str) -> None:
+        self.api_action.setChecked(self.api.wanted)
+        self._http_in_flight = self._count_http()
+        self._show_api()
+
+    def _on_api_failed(self, why: str, tail: list[str]) -> None:
+        self.api_action.setChecked(False)
+        box = QMessageBox(QMessageBox.Icon.Warning, "Serve OpenAI API", why + ".",
+                          QMessageBox.StandardButton.Ok, self)
+        if tail:
+            box.setInformativeText("\n".join(tail[-6:]))
+        box.finished.connect(box.deleteLater)
+        self.api_error_box = box
+        box.open()  # not exec(): nothing waits on the user
+
+    def _count_http(self) -> int:
+        latest = self.history.latest
+        if latest is None:
+            return 0
+        return sum(1 for r in latest.requests
+                   if r.origin == HTTP_ORIGIN and r.status != "finished")
+
+    def _show_api(self) -> None:
+        state = self.api.state
+        if state == SERVING:
+            text = f"API {self.api.url}/v1 · {self._http_in_flight} HTTP in flight"
+        elif state == WAITING:
+            text = "API: waiting for the engine"
+        elif self.api.restarting:
+            moved = self.api.endpoint != self.api.served_endpoint
+            text = "API restarting for the new engine…" if moved else "API restarting…"
+        else:
+            text = f"API {state}…"
+        self.api_label.setText(text)
+        self.api_label.setVisible(state != OFF)
+
     def _build_status_bar(self) -> None:
         sb = self.statusBar()
         self.state_label = QLabel()
@@ -270,10 +359,17 @@ class MainWindow(QMainWindow):
         self.model_label = QLabel()
         self.kv_label = QLabel()
         self.kv_label.setStyleSheet(f"color: {theme.MUTED};")
+        self.api_label = QLabel()
+        self.api_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.api_label.setStyleSheet(f"color: {theme.ACCENT}; margin-left: 8px;")
+        self.api_label.setToolTip("the OpenAI-compatible API (Engine → Serve OpenAI API…) and "
+                                  "how many of the engine's requests came through it")
+        self.api_label.setVisible(False)
         sb.addWidget(self.state_label)
         sb.addWidget(self.progress)
         sb.addWidget(self.progress_text)
         sb.addWidget(self.model_label)
+        sb.addWidget(self.api_label)
         sb.addPermanentWidget(self.kv_label)
         self._set_state("starting")
 
@@ -357,6 +453,8 @@ class MainWindow(QMainWindow):
         else:
             link = EngineLink(endpoint, token=self.source.token,
                               stall_timeout=self.source.stall_timeout)
+            self.engine_endpoint = endpoint
+            self.api.set_endpoint(endpoint)  # (re)starts the HTTP server when it is on
         link.connected.connect(self._on_connected)
         link.connect_failed.connect(lambda why: self._fail(f"could not connect: {why}"))
         link.replies.connect(self._on_replies)
@@ -402,6 +500,11 @@ class MainWindow(QMainWindow):
         last = frames[-1]
         self.block_map.set_frame(last, self.history.last_tables)
         self.controls.show_config(last.config)
+        if self.api.state == SERVING:
+            n = self._count_http()
+            if n != self._http_in_flight:  # setText re-lays the status bar out: only on change
+                self._http_in_flight = n
+                self._show_api()
         if self.state in ("ready", "busy"):
             running = last.counters.get("num_requests_running", 0)
             waiting = last.counters.get("num_requests_waiting", 0)
@@ -580,6 +683,7 @@ class MainWindow(QMainWindow):
         if self.link is not None:
             self.link.stop(timeout=2.0)
             self.link = None
+        self.api.shutdown()
         if self.supervisor is not None:
             self.supervisor.stop(timeout=5.0)
         self._set_state("stopped")

@@ -30,6 +30,7 @@ class _Req:
     cached: int = 0
     first_sched: float | None = None
     first_tok: float | None = None
+    origin: str = "load"  # the client it came from, as the engine's telemetry names it
 
 
 class SyntheticEngine:
@@ -58,12 +59,13 @@ class SyntheticEngine:
 
     # --- requests -------------------------------------------------------------------------
     def add(self, prompt: int | None = None, max_out: int | None = None,
-            prefix_key: int | None = None) -> str:
+            prefix_key: int | None = None, origin: str = "load") -> str:
         self.counter += 1
         rid = f"req-{self.counter}"
         key = self.rng.randrange(3) if prefix_key is None else prefix_key
         self.waiting.append(_Req(rid, prompt or self.rng.randint(40, 300),
-                                 max_out or self.rng.randint(20, 120), self.t, key, 64 + 32 * key))
+                                 max_out or self.rng.randint(20, 120), self.t, key, 64 + 32 * key,
+                                 origin=origin))
         return rid
 
     def _hash(self, r: _Req, i: int) -> int:
@@ -201,7 +203,7 @@ class SyntheticEngine:
                  num_prompt_tokens=r.prompt, num_cached_tokens=r.cached,
                  num_computed_tokens=r.computed, num_generated_tokens=r.generated,
                  arrival_time=r.arrival, first_scheduled_time=r.first_sched,
-                 first_token_time=r.first_tok)
+                 first_token_time=r.first_tok, origin=r.origin)
             for st, group in (("running", self.running), ("waiting", self.waiting))
             for r in group
         ]

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from app.load_generator import ID_PREFIX as LOAD_ID_PREFIX
+
 # Block states, as on the wire (engine_proc/telemetry_types.py; duplicated because ui/ must
 # not import engine_proc)
 BLOCK_EMPTY = 0
@@ -65,6 +67,20 @@ class RequestView:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    origin: str = ""  # client_name of the client that sent it ("gui", "http", ...); "" = unknown
+
+
+# The window's own connection says hello as "gui" and carries both its chats and its load
+# generator's requests; the table tells those apart by the generator's request-id prefix.
+GUI_ORIGIN = "gui"
+HTTP_ORIGIN = "http"
+
+
+def origin_label(origin: str, request_id: str) -> str:
+    """What the request table shows for a request's origin."""
+    if origin == GUI_ORIGIN and request_id.startswith(LOAD_ID_PREFIX):
+        return "load"
+    return origin or "?"
 
 
 @dataclass(slots=True)
@@ -106,6 +122,7 @@ class Frame:
                 arrival_time=float(_get(r, "arrival_time", 0.0) or 0.0),
                 first_scheduled_time=_get(r, "first_scheduled_time"),
                 first_token_time=_get(r, "first_token_time"),
+                origin=str(_get(r, "origin", "") or ""),
             )
             for r in (_get(snap, "requests") or [])
         ]

@@ -163,3 +163,34 @@ def test_charts_items_are_created_once(qtbot, frames):
     assert np.isin(c.itl.yData, np.log10(np.maximum(inside[:, 1] * 1e3, 1e-2))).all()
     c.clear()
     assert c.gtps.xData is None or len(c.gtps.xData) == 0
+
+
+def test_request_table_and_tooltip_name_each_origin(qtbot):
+    n = 8
+    state = np.array([BLOCK_IN_USE] * 4 + [BLOCK_EMPTY] * 4, np.uint8)
+    snap = dict(
+        time=1.0,
+        blocks=dict(state=state, ref_count=np.array([1, 1, 2, 1, 0, 0, 0, 0], np.int32),
+                    filled=np.full(n, 3, np.int32), short_hash=np.arange(n, dtype=np.uint32),
+                    parent=np.full(n, -1, np.int32)),
+        requests=[
+            dict(request_id="cmpl-1", status="running", block_table=[0, 2], origin="http"),
+            dict(request_id="chat-7", status="running", block_table=[1, 2], origin="gui"),
+            dict(request_id="load-3-abc", status="running", block_table=[3], origin="gui"),
+            dict(request_id="old", status="waiting", block_table=[]),  # engine without origins
+        ],
+        counters={"block_size": 16.0}, config={},
+    )
+    w = BlockMapWidget()
+    qtbot.addWidget(w)
+    w.set_frame(Frame.from_wire(snap))
+    w.redraw()
+    col = bm.TABLE_COLUMNS.index("origin")
+    assert w.table.horizontalHeaderItem(col).text() == "origin"
+    shown = {w.table.item(r, 0).text(): w.table.item(r, col).text()
+             for r in range(w.table.rowCount())}
+    assert shown == {"cmpl-1": "http", "chat-7": "gui", "load-3-abc": "load", "old": "?"}
+    tip = w.tooltip_text(2)
+    assert "owners: cmpl-1 (http), chat-7 (gui)" in tip
+    assert "owners: load-3-abc (load)" in w.tooltip_text(3)
+    assert "owners: —" in w.tooltip_text(5)
