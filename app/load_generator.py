@@ -194,7 +194,7 @@ def run(endpoint: str, config: LoadConfig, duration: float, token: str | None = 
     """Run the load on a connection of our own for `duration` seconds, then abort what is left."""
     from ipc.client import EngineConnection
 
-    conn = EngineConnection(endpoint, token=token, client_name="kvscope-load")
+    conn = EngineConnection(endpoint, token=token, client_name="load")
     try:
         conn.hello()
         gen = LoadGenerator(config)

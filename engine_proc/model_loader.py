@@ -111,7 +111,11 @@ def load_checkpoint(
         checkpoint = _load_gguf(path, dtype, report)
     else:
         checkpoint = _load_hf_dir(path, dtype, report)
-    _check_weights(checkpoint.config, checkpoint.weights)
+    try:
+        _check_weights(checkpoint.config, checkpoint.weights)
+    except ValueError as exc:  # name the files: the user has to find which one is wrong
+        where = str(path) if path.is_file() else f"{path}/*.safetensors vs its config.json"
+        raise ValueError(f"{where}: {exc}") from None
     elapsed = time.perf_counter() - start
     logger.info("loaded %s in %.2f s", checkpoint.display_name, elapsed)
     report(1.0, f"loaded {checkpoint.display_name} in {elapsed:.1f} s")
@@ -455,9 +459,20 @@ def _strip_quant_suffix(stem: str) -> str:
 # Hugging Face directories
 
 
+def _read_json(path: Path) -> Any:
+    """A JSON file; ValueError naming the file when it is unreadable or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read it as JSON: {exc}") from None
+
+
 def _load_hf_dir(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
     report(0.0, f"reading {path.name}/config.json")
-    raw = json.loads((path / "config.json").read_text())
+    raw = _read_json(path / "config.json")
+    if not isinstance(raw, dict):
+        kind = type(raw).__name__
+        raise ValueError(f"{path / 'config.json'}: expected a JSON object, got {kind}")
     config = _hf_config(raw, path)
     files = _safetensors_files(path)
     weights = _read_safetensors(files, config, dtype, report)
@@ -548,7 +563,8 @@ def _hf_eos_ids(raw: dict, path: Path) -> tuple[int, ...]:
     ids = list(_as_ids(raw.get("eos_token_id")))
     generation = path / "generation_config.json"
     if generation.is_file():
-        ids += _as_ids(json.loads(generation.read_text()).get("eos_token_id"))
+        gen = _read_json(generation)
+        ids += _as_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
     return tuple(dict.fromkeys(ids))
 
 
@@ -563,7 +579,7 @@ def _as_ids(value: int | Iterable[int] | None) -> list[int]:
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index)["weight_map"]
         files = [path / name for name in dict.fromkeys(weight_map.values())]
     else:
         files = sorted(path.glob("*.safetensors"))

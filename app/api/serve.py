@@ -71,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): 4-bit decode weights on a CPU, dense on a GPU",
     )
     e.add_argument("--engine-args", default="", help="more `engine_proc serve` options")
-    e.add_argument("--startup-timeout", type=float, default=600.0)
+    e.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="do not restart a spawned engine that dies (default: restart it, with backoff)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -118,17 +122,32 @@ def _print_progress(fraction: float, message: str) -> None:
     sys.stderr.flush()
 
 
-class EngineKeeper:
-    """Keeps the link to the engine: spawns it (or attaches), notices it going away, and
-    reattaches to a --connect endpoint that answers again."""
+RESTART_BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0)  # seconds before restart 1, 2, ...; then give up
+RESTART_WINDOW = 300.0  # restarts older than this are forgotten
 
-    def __init__(self, link: EngineLink, args: argparse.Namespace, token: str | None) -> None:
+
+class EngineKeeper:
+    """Keeps the link to the engine: spawns it (or attaches), notices it going away, restarts a
+    spawned engine that dies after it was ready (with backoff), and reattaches to a --connect
+    endpoint that answers again. A spawned engine that never got ready (a model that does not
+    load) stops the server: `on_fatal` gets why."""
+
+    def __init__(
+        self,
+        link: EngineLink,
+        args: argparse.Namespace,
+        token: str | None,
+        on_fatal: Any = None,
+    ) -> None:
         self.link = link
         self.args = args
         self.token = token
+        self.on_fatal = on_fatal
         self.endpoint: str | None = args.connect
         self.supervisor: EngineSupervisor | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = False
+        self.restarts: list[float] = []  # loop times of recent restarts
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -150,19 +169,48 @@ class EngineKeeper:
             sys.stderr.write("\n")
             loop.call_soon_threadsafe(self._on_ready, str(info["endpoint"]))
 
-        def exited(code: int) -> None:
-            tail = " | ".join(self.supervisor.tail(5)) if self.supervisor else ""
-            loop.call_soon_threadsafe(
-                self.link.mark_gone, f"the engine exited with code {code}: {tail}"
-            )
-
-        self.supervisor = EngineSupervisor(
-            engine_command(options), on_progress=_print_progress, on_ready=ready, on_exit=exited
-        )
-        self.supervisor.start()
+        supervisor = EngineSupervisor(
+            engine_command(options), on_progress=_print_progress, on_ready=ready,
+            on_exit=lambda code: loop.call_soon_threadsafe(self._on_exit, supervisor, code),
+        )  # fmt: skip
+        self.supervisor = supervisor
+        self.endpoint = None
+        supervisor.start()
 
     def _on_ready(self, endpoint: str) -> None:
         self.endpoint = endpoint
+
+    def _on_exit(self, supervisor: EngineSupervisor, code: int) -> None:
+        if self.stopping or supervisor is not self.supervisor:
+            return
+        tail = " | ".join(supervisor.tail(5))
+        why = f"the engine exited with code {code}: {tail}"
+        self.link.mark_gone(why)
+        self.endpoint = None
+        if supervisor.ready_info is None:
+            log.error("the engine did not start: %s", why)
+            if self.on_fatal is not None:
+                self.on_fatal(why)
+            return
+        if self.args.no_restart:
+            return
+        assert self.loop is not None
+        now = self.loop.time()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW]
+        if len(self.restarts) >= len(RESTART_BACKOFF):
+            log.error("the engine died %d times in %.0f s; not restarting it again",
+                      len(self.restarts) + 1, RESTART_WINDOW)  # fmt: skip
+            return
+        delay = RESTART_BACKOFF[len(self.restarts)]
+        self.restarts.append(now)
+        log.warning("%s; restarting it in %.0f s", why, delay)
+        self.link.detail = f"{why}; restarting it"
+        self.loop.call_later(delay, self._restart)
+
+    def _restart(self) -> None:
+        if not self.stopping:
+            self.link.status, self.link.detail = "loading", "the engine is restarting"
+            self._spawn()
 
     async def _watch(self) -> None:
         while True:
@@ -180,6 +228,7 @@ class EngineKeeper:
             await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
+        self.stopping = True
         if self.link.client is not None:
             await self.link.client.close()
         if self.supervisor is not None:
@@ -222,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_serve(settings, args, token, sock))
     except KeyboardInterrupt:
         pass
+    except EngineStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -231,14 +283,20 @@ async def _serve(
     import uvicorn
 
     link = EngineLink()
-    keeper = EngineKeeper(link, args, token)
-    keeper.start()
     app = create_app(settings, link)
     config = uvicorn.Config(
         app, log_level=str(args.log_level).lower(), access_log=False, timeout_keep_alive=30,
         timeout_graceful_shutdown=3, lifespan="off",
     )  # fmt: skip
     server = uvicorn.Server(config)
+    fatal: list[str] = []
+
+    def stop_serving(why: str) -> None:
+        fatal.append(why)
+        server.should_exit = True
+
+    keeper = EngineKeeper(link, args, token, on_fatal=stop_serving)
+    keeper.start()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     # One line on stdout, like the engine's READY line: tools (and the GUI) read the URL here.
     print(f"KVSCOPE_HTTP_READY http://{host}:{settings.port}", flush=True)
@@ -248,6 +306,12 @@ async def _serve(
     finally:
         with contextlib.suppress(Exception):
             await keeper.stop()
+    if fatal:
+        raise EngineStartError(fatal[0])
+
+
+class EngineStartError(RuntimeError):
+    """The spawned engine exited before it was ready."""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,294 @@
+"""The soak's clients: each actor loops over random actions (seeded) until the deadline and
+records every request's outcome. An outcome that is neither a terminal response nor a clean,
+expected error is a failure of the run."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import zmq
+
+from ipc import protocol as P
+from ipc.client import EngineClient, EngineError
+
+REQUEST_TIMEOUT = 120.0  # a request with no terminal answer by then counts as hung
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant who answers in one short paragraph. " * k for k in (1, 3, 6)
+]
+WORDS = "paged attention block table prefix cache scheduler chunked prefill decode token".split()
+
+
+@dataclass
+class Tally:
+    """Outcomes of every request, by kind; failures listed with what happened."""
+
+    outcomes: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, outcome: str, tokens: int = 0, error: str | None = None) -> None:
+        with self.lock:
+            self.outcomes[outcome] += 1
+            self.tokens += tokens
+            if error is not None:
+                self.errors[error] += 1
+
+    def fail(self, what: str) -> None:
+        with self.lock:
+            self.outcomes["failure"] += 1
+            self.failures.append(what)
+
+
+def _prompt(rng: random.Random) -> list[dict]:
+    user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+    return [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
+            {"role": "user", "content": user}]  # fmt: skip
+
+
+def _sampling(rng: random.Random) -> dict:
+    return {
+        "max_tokens": rng.randint(1, 48),
+        "temperature": rng.choice([0.0, 0.7, 1.0]),
+        "top_p": rng.choice([1.0, 0.9]),
+        "top_k": rng.choice([0, 20]),
+        "n": rng.choice([1, 1, 1, 2, 3]),
+        "seed": rng.choice([None, rng.randrange(1000)]),
+    }
+
+
+class ZmqActor:
+    def __init__(self, endpoint: str, tally: Tally, seed: int) -> None:
+        self.endpoint = endpoint
+        self.tally = tally
+        self.rng = random.Random(seed)
+
+    def run(self, deadline: float) -> None:
+        client = EngineClient(self.endpoint, client_name="soak")
+        try:
+            while time.monotonic() < deadline:
+                roll = self.rng.random()
+                if roll < 0.05:
+                    self.malformed()
+                elif roll < 0.10:
+                    self.vanish_mid_stream()  # the engine must clean up after it
+                else:
+                    self.one_request(client, abort=roll < 0.2)
+        finally:
+            client.close()
+
+    def one_request(self, client: EngineClient, abort: bool) -> None:
+        params = _sampling(self.rng)
+        try:
+            stream = client.chat(_prompt(self.rng), **params)
+            seen = 0
+            for event in iter_with_timeout(stream, REQUEST_TIMEOUT):
+                if isinstance(event, P.Delta):
+                    seen += len(event.token_ids)
+                    if abort and seen >= 2:
+                        stream.abort()
+                        abort = False
+            reasons = {f.reason for f in stream.finishes.values()}
+            if len(stream.finishes) != params["n"]:
+                self.tally.fail(f"zmq {stream.request_id}: {len(stream.finishes)} finishes of "
+                                f"{params['n']}")  # fmt: skip
+            elif reasons - {"stop", "length", "abort"}:
+                self.tally.fail(f"zmq {stream.request_id}: finish reasons {reasons}")
+            else:
+                kind = "zmq_aborted" if "abort" in reasons else "zmq_completed"
+                self.tally.add(kind, tokens=seen)
+        except EngineError as exc:
+            self.tally.fail(f"zmq request: unexpected error [{exc.code}] {exc.message}")
+        except TimeoutError as exc:
+            self.tally.fail(f"zmq request hung: {exc}")
+
+    def vanish_mid_stream(self) -> None:
+        client = EngineClient(self.endpoint, client_name="soak-vanish")
+        try:
+            stream = client.chat(_prompt(self.rng), max_tokens=64, temperature=0)
+            stream.next_event(timeout=REQUEST_TIMEOUT)
+            self.tally.add("zmq_vanished")
+        except EngineError as exc:
+            self.tally.fail(f"zmq vanish: [{exc.code}] {exc.message}")
+        finally:
+            client.close()
+
+    def malformed(self) -> None:
+        """A raw DEALER sends one bad message; the engine must answer with the documented code."""
+        cases = [
+            (b"\xc1not msgpack", P.ERR_BAD_MESSAGE),
+            (P.encode(P.Heartbeat()).replace(b"heartbeat", b"heartbeep"), P.ERR_UNKNOWN_KIND),
+            (_generate_with(temperature=-1.0), P.ERR_INVALID_REQUEST),
+            (_generate_with(top_p="x"), P.ERR_INVALID_MESSAGE),
+        ]
+        data, code = self.rng.choice(cases)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint)
+            sock.send(data)
+            if not sock.poll(int(REQUEST_TIMEOUT * 1000)):
+                self.tally.fail(f"zmq malformed ({code}): no answer")
+                return
+            reply = P.decode_engine(sock.recv())
+            if isinstance(reply, P.Error) and reply.code == code:
+                self.tally.add("zmq_malformed", error=code)
+            else:
+                self.tally.fail(f"zmq malformed: expected {code}, got {reply}")
+        finally:
+            sock.close()
+
+
+def _generate_with(**sampling: object) -> bytes:
+    msg = {"kind": "generate", "request_id": f"bad-{random.random()}", "prompt": "hi",
+           "sampling": sampling}  # fmt: skip
+    import msgspec
+
+    return msgspec.msgpack.encode(msg)
+
+
+def iter_with_timeout(stream, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not stream.done:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{stream.request_id} not finished in {timeout} s")
+        try:
+            event = stream.next_event(timeout=left)
+        except StopIteration:
+            return
+        if event is not None:
+            yield event
+
+
+class HttpActor:
+    def __init__(self, url: str, api_key: str, tally: Tally, seed: int) -> None:
+        self.url = url
+        self.headers = {"authorization": f"Bearer {api_key}"}
+        self.tally = tally
+        self.rng = random.Random(seed)
+
+    def run(self, deadline: float) -> None:
+        with httpx.Client(base_url=self.url, headers=self.headers, timeout=REQUEST_TIMEOUT) as http:
+            while time.monotonic() < deadline:
+                roll = self.rng.random()
+                try:
+                    if roll < 0.05:
+                        self.malformed(http)
+                    elif roll < 0.15:
+                        self.disconnect_mid_stream()
+                    else:
+                        self.one_request(http, stream=roll < 0.6)
+                except httpx.HTTPError as exc:
+                    self.tally.fail(f"http transport error: {exc!r}")
+
+    def body(self) -> dict:
+        s = _sampling(self.rng)
+        if s["seed"] is None:
+            del s["seed"]
+        if self.rng.random() < 0.5:
+            return {"messages": _prompt(self.rng), **s}
+        return {"prompt": " ".join(m["content"] for m in _prompt(self.rng)), **s}
+
+    def one_request(self, http: httpx.Client, stream: bool) -> None:
+        body = self.body()
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        if not stream:
+            r = http.post(path, json=body)
+            if r.status_code != 200:
+                self.tally.fail(f"http {path}: {r.status_code} {r.text[:200]}")
+                return
+            out = r.json()
+            if len(out["choices"]) != body["n"]:
+                self.tally.fail(f"http {path}: {len(out['choices'])} choices of {body['n']}")
+                return
+            self.tally.add("http_completed", tokens=out["usage"]["completion_tokens"])
+            return
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        finished: set[int] = set()
+        done = usage = False
+        with http.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                self.tally.fail(f"http stream {path}: {r.status_code} {r.text[:200]}")
+                return
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.tally.fail(f"http stream error event: {chunk['error']}")
+                    return
+                usage = usage or bool(chunk.get("usage"))
+                finished |= {c["index"] for c in chunk["choices"] if c.get("finish_reason")}
+        if not done or len(finished) != body["n"] or not usage:
+            self.tally.fail(f"http stream {path}: done={done} finished={sorted(finished)} "
+                            f"of n={body['n']} usage={usage}")  # fmt: skip
+            return
+        self.tally.add("http_stream_completed")
+
+    def disconnect_mid_stream(self) -> None:
+        body = {"messages": _prompt(self.rng), "max_tokens": 64, "stream": True}
+        with httpx.Client(base_url=self.url, headers=self.headers, timeout=REQUEST_TIMEOUT) as h:
+            with h.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    self.tally.fail(f"http disconnect: {r.status_code}")
+                    return
+                next(r.iter_lines(), None)
+        self.tally.add("http_disconnected")
+
+    def malformed(self, http: httpx.Client) -> None:
+        cases = [
+            (b"{not json", 400),
+            (json.dumps({"messages": [], "max_tokens": 2}).encode(), 400),
+            (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400),
+            (json.dumps({"prompt": "x", "temprature": 0}).encode(), 400),
+        ]
+        data, status = self.rng.choice(cases)
+        path = "/v1/chat/completions" if b"messages" in data else "/v1/completions"
+        r = http.post(path, content=data, headers={"content-type": "application/json"})
+        if r.status_code == status and "error" in r.json():
+            self.tally.add("http_malformed", error=f"http_{status}")
+        else:
+            self.tally.fail(f"http malformed: expected {status}, got {r.status_code}")
+
+
+class ControlActor:
+    """Live control changes while the others run: limits, the caching switch, flushes."""
+
+    def __init__(self, endpoint: str, tally: Tally, seed: int) -> None:
+        self.endpoint = endpoint
+        self.tally = tally
+        self.rng = random.Random(seed)
+
+    def run(self, deadline: float) -> None:
+        with EngineClient(self.endpoint, client_name="soak-control") as client:
+            while time.monotonic() < deadline:
+                time.sleep(self.rng.uniform(0.5, 2.0))
+                op = self.rng.choice(["limits", "caching", "flush"])
+                try:
+                    if op == "limits":
+                        client.set_limits(
+                            max_num_seqs=self.rng.choice([4, 16, 64]),
+                            max_num_batched_tokens=self.rng.choice([64, 256, 2048]),
+                            long_prefill_chunk=self.rng.choice([0, 32, 512]),
+                        )
+                    elif op == "caching":
+                        client.set_prefix_caching(self.rng.random() < 0.7)
+                    else:
+                        client.reset_prefix_cache()
+                    self.tally.add(f"control_{op}")
+                except EngineError as exc:
+                    self.tally.fail(f"control {op}: [{exc.code}] {exc.message}")
+            client.set_prefix_caching(True)
