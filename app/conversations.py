@@ -100,6 +100,7 @@ class ConversationStore:
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.unreadable: list[Path] = []  # set aside by load_all (renamed to *.json.bad)
 
     def path_for(self, conv_id: str) -> Path:
         if not conv_id or not all(c.isalnum() or c in "-_" for c in conv_id):
@@ -107,14 +108,20 @@ class ConversationStore:
         return self.directory / f"{conv_id}.json"
 
     def save(self, conv: Conversation) -> None:
+        """Write atomically: on any error (disk full) the previous file stays as it was and the
+        OSError reaches the caller."""
         conv.updated = time.time()
         path = self.path_for(conv.id)
         tmp = path.with_suffix(".json.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(conv.to_json(), f, ensure_ascii=False, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(conv.to_json(), f, ensure_ascii=False, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def delete(self, conv_id: str) -> None:
         self.path_for(conv_id).unlink(missing_ok=True)
@@ -133,5 +140,6 @@ class ConversationStore:
                     path.rename(path.with_suffix(".json.bad"))
                 except OSError:
                     pass
+        self.unreadable = sorted(self.directory.glob("*.json.bad"))
         convs.sort(key=lambda c: c.updated, reverse=True)
         return convs

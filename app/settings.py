@@ -6,11 +6,14 @@ into one directory, so tests and portable installs never touch the user's real p
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, QStandardPaths
+
+log = logging.getLogger(__name__)
 
 DATA_DIR_ENV = "KVSCOPE_DATA_DIR"
 ORG = "KVScope"
@@ -59,15 +62,33 @@ class SamplingDefaults:
         return d
 
 
+# name -> (type, lowest, highest) a remembered sampling value may take
+SAMPLING_RANGES = {
+    "temperature": (float, 0.0, 2.0),
+    "top_p": (float, 1e-6, 1.0),
+    "top_k": (int, 0, 1 << 20),
+    "max_tokens": (int, 1, 1 << 20),
+    "seed": (int, -1, 2**63 - 1),
+}
+
+
 def load_sampling(s: QSettings) -> SamplingDefaults:
+    """The remembered sampling values; an unreadable file or value falls back to the default
+    with a warning in the log (never a crash at start-up)."""
+    if s.status() != QSettings.Status.NoError:
+        log.warning("settings file %s is unreadable (%s); using defaults", s.fileName(),
+                    s.status())  # fmt: skip
     d = SamplingDefaults()
-    return SamplingDefaults(
-        temperature=_num(s.value("sampling/temperature", d.temperature), float, d.temperature),
-        top_p=_num(s.value("sampling/top_p", d.top_p), float, d.top_p),
-        top_k=_num(s.value("sampling/top_k", d.top_k), int, d.top_k),
-        max_tokens=_num(s.value("sampling/max_tokens", d.max_tokens), int, d.max_tokens),
-        seed=_num(s.value("sampling/seed", d.seed), int, d.seed),
-    )
+    values = {}
+    for name, (kind, low, high) in SAMPLING_RANGES.items():
+        default = getattr(d, name)
+        raw = s.value(f"sampling/{name}", default)
+        value = _num(raw, kind, None)
+        if value is None or not low <= value <= high:
+            log.warning("settings: sampling/%s = %r is not valid; using %r", name, raw, default)
+            value = default
+        values[name] = value
+    return SamplingDefaults(**values)
 
 
 def save_sampling(s: QSettings, p: SamplingDefaults) -> None:
@@ -75,9 +96,10 @@ def save_sampling(s: QSettings, p: SamplingDefaults) -> None:
         s.setValue(f"sampling/{name}", getattr(p, name))
 
 
-def _num(value: object, kind: type, default: float | int) -> float | int:
+def _num(value: object, kind: type, default: float | int | None) -> float | int | None:
     # INI files hand everything back as strings
     try:
-        return kind(float(value)) if kind is int else kind(value)
-    except (TypeError, ValueError):
+        number = kind(float(value)) if kind is int else kind(value)
+    except (TypeError, ValueError, OverflowError):
         return default
+    return number if number == number else default  # NaN is no setting

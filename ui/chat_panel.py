@@ -233,6 +233,11 @@ class ChatPanel(QWidget):
         for conv in store.load_all():
             self.convs[conv.id] = conv
             self._add_item(conv)
+        for bad in store.unreadable:  # listed, never selectable: the user decides what to do
+            item = QListWidgetItem(f"⚠ unreadable: {bad.name}")
+            item.setFlags(Qt.ItemFlag.NoItemFlags)
+            item.setToolTip(f"{bad} could not be read and was set aside")
+            self.conv_list.addItem(item)
         if not self.convs:
             self.new_conversation()
         else:
@@ -463,8 +468,18 @@ class ChatPanel(QWidget):
             return None
         conv = self.current
         conv.messages.append(Message("user", text))
-        if conv.title == "New chat":
-            self.rename_conversation(conv.id, conv.auto_title())
+        try:  # the user's turn is on disk before the input box is cleared
+            if conv.title == "New chat":
+                self.rename_conversation(conv.id, conv.auto_title())
+            self.store.save(conv)
+        except OSError as exc:
+            conv.messages.pop()
+            log.error("could not save conversation %s: %s", conv.id, exc)
+            self.notice.setText(
+                f"Could not save the conversation ({exc.strerror or exc}): nothing was sent and "
+                "your text is kept. Free some disk space and send again."
+            )
+            return None
         conv.draft = ""
         self.input.blockSignals(True)
         self.input.clear()
@@ -487,7 +502,11 @@ class ChatPanel(QWidget):
         prompt = conv.to_prompt()
         reply = Message("assistant", "")
         conv.messages.append(reply)
-        self.store.save(conv)  # the user's turn is on disk before the request leaves
+        try:
+            self.store.save(conv)
+        except OSError as exc:  # the reply streams on; the periodic save tries again
+            log.error("could not save conversation %s: %s", conv.id, exc)
+            self._dirty.add(conv.id)
         rid = f"chat-{conv.id}-{next(self._seq)}-{int(time.time() * 1000) % 100000}"
         self.active[rid] = (conv.id, reply, {"n": 0})
         self.last_request[conv.id] = rid
