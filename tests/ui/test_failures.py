@@ -19,13 +19,18 @@ def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_disk_full_while_sending_keeps_the_text_and_the_file(qtbot, tmp_path, monkeypatch):
+@pytest.mark.parametrize("titled", [False, True])  # a new chat is renamed (and saved) first
+def test_disk_full_while_sending_keeps_the_text_and_the_file(
+    qtbot, tmp_path, monkeypatch, titled
+):
     store = ConversationStore(tmp_path)
     panel = ChatPanel(store, SamplingDefaults(temperature=0.0))
     qtbot.addWidget(panel)
     submitted = []
     panel.submit.connect(lambda *a: submitted.append(a))
     panel.set_engine_ready(True)
+    if titled:
+        panel.rename_conversation(panel.current.id, "An old chat")
     path = store.path_for(panel.current.id)
     on_disk = path.read_bytes()
     monkeypatch.setattr(json, "dump", _disk_full)
