@@ -75,3 +75,21 @@ class ServeProc:
                 self.proc.kill()
                 self.proc.wait(5)
         return self.proc.returncode
+
+
+def wait_for(predicate, timeout: float = 60.0) -> bool:
+    """Poll `predicate` every 0.1 s until it holds or `timeout` passes (never a timed assert)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def health(url: str) -> int:
+    """GET /health's status code, 0 when the server does not answer."""
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0

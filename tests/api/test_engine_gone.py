@@ -4,32 +4,15 @@ that disconnects, and an engine that dies and comes back (`serve --connect`)."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
-from tests.api.helpers import ServeProc
+from tests.api.helpers import ServeProc, health, wait_for
 from tests.api.test_server import _idle, _wait_metrics
 from tests.ipc.helpers import TINY, EngineProc
 
 pytestmark = pytest.mark.slow
-
-
-def _wait(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
 
 
 def test_engine_killed_mid_stream_gives_an_error_event_then_503_then_recovers() -> None:
@@ -52,12 +35,12 @@ def test_engine_killed_mid_stream_gives_an_error_event_then_503_then_recovers() 
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2][len("data: ") :])["error"]
         assert error["type"] == "unavailable_error" and "engine" in error["message"]
-        assert _wait(lambda: _health(serve.url) == 503)
+        assert wait_for(lambda: health(serve.url) == 503)
         r = httpx.post(serve.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         # An engine on the same endpoint again: the front-end reattaches by itself.
         engine = EngineProc([*TINY, "--endpoint", f"tcp://127.0.0.1:{port}"])
-        assert _wait(lambda: _health(serve.url) == 200, 60), serve.log()
+        assert wait_for(lambda: health(serve.url) == 200, 60), serve.log()
         r = httpx.post(serve.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200, r.text
     finally:

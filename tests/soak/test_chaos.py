@@ -10,13 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.api.helpers import REPO, ServeProc
+from tests.api.helpers import REPO, ServeProc, health, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +40,6 @@ def engine_pid(serve: ServeProc) -> int:
         if "engine_proc" in Path(f"/proc/{pid}/cmdline").read_text():
             return pid
     raise AssertionError("no engine child")
-
-
-def wait_for(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def health(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
 
 
 def stream_events(url: str, after: int, action) -> list[str]:
