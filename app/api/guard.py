@@ -5,6 +5,7 @@ loopback host: DNS rebinding against local LLM servers is a known attack), the A
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import secrets
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,7 @@ class GuardMiddleware:
     def _check(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
         if self.settings.loopback:
             host = _host_name(headers.get("host", ""))
-            if host not in self.allowed:
+            if host not in self.allowed and not _is_loopback_ip(host):
                 return APIError(
                     403,
                     f"Host header {headers.get('host', '')!r} is not allowed: this server listens "
@@ -75,6 +76,14 @@ class GuardMiddleware:
                     headers={"www-authenticate": "Bearer"},
                 )
         return None
+
+
+def _is_loopback_ip(host: str) -> bool:
+    """127.0.0.0/8 and ::1 written as addresses (never a name that could resolve elsewhere)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _host_name(host: str) -> str:
