@@ -1,5 +1,6 @@
-"""app.bench (workloads, statistics, the table) and engine_proc.bench_worker (one real run on a
-tiny random model)."""
+"""app.bench and its modules (workloads, statistics, the table) and engine_proc.bench_worker (one
+real run on a tiny random model). The front-end systems (app.bench_clients):
+test_bench_clients.py."""
 
 from __future__ import annotations
 
@@ -13,18 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.bench import (
-    QUICK,
-    WORKLOADS,
-    Vocab,
-    build_rows,
-    format_table,
+from app.bench_stats import (
     ideal_paged_occupancy,
     interference_stats,
-    make_workload,
     percentile,
     summarize_workload,
 )
+from app.bench_table import build_rows, format_table
+from app.bench_workloads import FULL, QUICK, WORKLOADS, Vocab, make_workload
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = Vocab(49152, list(range(17)))
@@ -68,6 +65,24 @@ def test_workload_shapes_follow_sizes() -> None:
     single = make_workload("single", s, 0, VOCAB)["requests"]
     assert [(len(r["prompt"]), r["max_tokens"]) for r in single] == [(s.single_prompt,
                                                                      s.single_new)]
+
+
+@pytest.mark.parametrize("sizes", [QUICK, FULL])
+def test_streaming_workload_is_concurrent_streams(sizes) -> None:
+    w = make_workload("streaming", sizes, 0, VOCAB)
+    reqs = w["requests"]
+    assert len(reqs) == sizes.streams_n == 32
+    assert all(r["arrival_s"] == 0.0 and "after" not in r for r in reqs)  # all at once
+    lo, hi = sizes.streams_prompt
+    assert all(lo <= len(r["prompt"]) <= hi for r in reqs) and lo <= 64 <= hi
+    assert len({len(r["prompt"]) for r in reqs}) > 1  # drawn, like the mixed workload's
+    assert all(r["max_tokens"] == sizes.streams_out for r in reqs)
+    assert len({tuple(r["prompt"]) for r in reqs}) == len(reqs)
+    assert w["engine"] == {}  # both front-ends get the engine's plain serve options
+    warm = w["meta"]["warmup_prompt"]
+    assert 0 < len(warm) < 16  # under one KV block: the warm-up leaves no prefix to hit
+    assert all(17 <= t < 49152 for t in warm)
+    assert FULL.streams_out == 128 and QUICK.streams_out < FULL.streams_out
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -140,6 +155,46 @@ def test_rows_compute_ratios_and_verdicts() -> None:
     assert "3.00x" in table and "MISS" in table and "PASS" in table
 
 
+def test_streaming_rows_compare_http_with_zeromq() -> None:
+    summary = {"streaming": {"kvscope-zmq": {"output_tok_s": 100.0, "ttft_p50": 0.2,
+                                             "itl_p50": 0.05, "streams": 32},
+                             "kvscope-http": {"output_tok_s": 95.0, "ttft_p50": 0.25,
+                                              "itl_p50": 0.05, "streams": 32}}}
+    rows = {r.metric: r for r in build_rows(summary, None)}
+    assert {r.section for r in rows.values()} == {"streaming"}  # nothing from other workloads
+    r = rows["HTTP streaming, 32 streams: output tok/s vs ZeroMQ"]
+    assert (r.value, r.baseline, r.baseline_name) == (95.0, 100.0, "kvscope-zmq")
+    assert r.ratio == pytest.approx(0.95) and r.passed is True and r.target == ">= 0.9x kvscope-zmq"
+    assert rows["HTTP vs ZeroMQ: TTFT p50 s"].ratio == pytest.approx(0.8)  # zmq / http
+    summary["streaming"]["kvscope-http"]["output_tok_s"] = 85.0
+    r = {r.metric: r for r in build_rows(summary, None)}[
+        "HTTP streaming, 32 streams: output tok/s vs ZeroMQ"]
+    assert r.ratio == pytest.approx(0.85) and r.passed is False
+    summary["streaming"]["kvscope-http"] = {"error": "exit 1"}  # a failed system: no verdict
+    r = {r.metric: r for r in build_rows(summary, None)}[
+        "HTTP streaming, 32 streams: output tok/s vs ZeroMQ"]
+    assert r.value is None and r.passed is None
+
+
+def test_streaming_summary_by_hand() -> None:
+    workload = {"requests": [{"id": "s0"}, {"id": "s1"}]}
+
+    def run(out_tok_s: float, cpu: dict[str, float]) -> dict:
+        q = {"ttft": 0.5, "tpot": 0.1, "e2e": 1.0, "itl": [0.1, 0.1]}
+        return {"output_tok_s": out_tok_s, "output_tokens": 2000, "wall_s": 20.0,
+                "cpu_s": cpu, "requests": [q, q]}
+
+    runs = [run(90.0, {"engine": 10.0, "server": 1.0, "client": 1.0}),
+            run(100.0, {"engine": 20.0, "server": 2.0, "client": 2.0}),
+            {"error": "exit 1"}]  # a failed repeat counts for nothing
+    s = summarize_workload("streaming", runs, workload)
+    assert s["runs"] == 2 and s["streams"] == 2 and s["output_tok_s"] == pytest.approx(95.0)
+    assert s["cpu_s"] == {"client": 1.5, "engine": 15.0, "server": 1.5}
+    # (1 + 1) s over 2000 tokens and (2 + 2) s over 2000 tokens: 1 and 2 ms per token
+    assert s["frontend_cpu_ms_per_token"] == pytest.approx(1.5)
+    assert s["engine_cpu_share"] == pytest.approx((10 / 20 + 20 / 20) / 2)
+
+
 def test_ideal_paged_occupancy_by_hand() -> None:
     # Lengths 15, 16, 17 with blocks of 16: 48 filled slots in 16 + 16 + 32 allocated.
     reqs = [{"prompt": [5] * 15, "max_tokens": 3}]
@@ -203,7 +258,8 @@ def test_worker_runs_kvscope_on_a_tiny_model(tmp_path: Path) -> None:
 
 
 def test_app_bench_does_not_import_torch() -> None:
-    code = ("import sys, app.bench; bad = [m for m in ('torch', 'transformers', 'engine_proc') "
+    code = ("import sys, app.bench, app.bench_clients, ipc.async_client, httpx; "
+            "bad = [m for m in ('torch', 'transformers', 'engine_proc') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
                    env=dict(os.environ, PYTHONPATH=str(REPO)))

@@ -1,0 +1,138 @@
+"""The benchmark's workloads: pure functions of (sizes, seed, vocabulary), written as JSON.
+
+Every system of a workload reads the very same JSON (token ids, output lengths, arrival times),
+so none gets easier inputs. Token ids are drawn from the model's ordinary vocabulary, which the
+driver learns from the `ceilings` worker (this module never imports torch).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+WORKLOADS = ("single", "prefill", "mixed", "mixed-poisson", "shared-prefix", "interference",
+             "streaming")
+# Which systems each workload compares (llamacpp only where it is a like-for-like serving test).
+WORKLOAD_SYSTEMS = {
+    "single": ("kvscope", "kvscope-int4", "hf", "llamacpp"),
+    "prefill": ("kvscope", "hf", "llamacpp"),
+    "mixed": ("kvscope", "hf", "llamacpp"),
+    "mixed-poisson": ("kvscope", "hf"),
+    "shared-prefix": ("kvscope", "kvscope-nocache"),
+    "interference": ("kvscope", "kvscope-nochunk"),
+    # The engine process behind its two front-ends, driven by app.bench_clients.
+    "streaming": ("kvscope-zmq", "kvscope-http"),
+}
+
+
+@dataclass(slots=True)
+class Sizes:
+    single_prompt: int = 128
+    single_new: int = 256
+    prefill_len: int = 1000
+    prefill_reps: int = 3
+    mixed_n: int = 64
+    mixed_prompt: tuple[int, int] = (32, 1024)
+    mixed_out: tuple[int, int] = (16, 256)
+    poisson_rate: float = 1.0  # requests per second
+    shared_n: int = 32
+    shared_prefix: int = 1024
+    shared_user: int = 32
+    shared_out: int = 8
+    interf_streams: int = 8
+    interf_long: int = 2000
+    interf_chunk: int = 32  # long_prefill_chunk of the chunked run (CPU-sized, see --help)
+    interf_warm: int = 8  # decode tokens each stream has before the long prompt arrives
+    interf_tail: int = 8  # decode steps after the long prompt's chunks
+    streams_n: int = 32  # concurrent streams, all arriving at once
+    streams_prompt: tuple[int, int] = (56, 72)  # prompt length range (~64 tokens)
+    streams_out: int = 128  # new tokens per stream (greedy, EOS ignored)
+    hf_batch: int = 8
+
+
+FULL = Sizes()
+QUICK = Sizes(
+    single_prompt=32, single_new=32, prefill_len=256, prefill_reps=2,
+    mixed_n=12, mixed_prompt=(16, 64), mixed_out=(4, 16), poisson_rate=4.0,
+    shared_n=4, shared_prefix=512, shared_user=16, shared_out=2,
+    interf_streams=4, interf_long=256, interf_chunk=32, interf_warm=4, interf_tail=4,
+    streams_out=32,  # still 32 streams: the HTTP target is about that many at once
+    hf_batch=4,  # three static batches for twelve requests, like 64 requests in batches of 8
+)
+
+
+class Vocab:
+    """Ordinary token ids: [0, vocab_size) without the special / added ones."""
+
+    def __init__(self, vocab_size: int, special_ids: list[int]) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.special = set(special_ids)
+        self.low = max(self.special) + 1 if self.special else 0
+        self.size = vocab_size
+
+    def draw(self, rng: random.Random, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            t = rng.randrange(self.low, self.size)
+            if t not in self.special:
+                out.append(t)
+        return out
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, **when: Any) -> dict:
+    return {"id": rid, "prompt": prompt, "max_tokens": max_tokens, **when}
+
+
+def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab) -> dict:
+    """The workload `name` as the JSON the worker reads; same inputs, same output."""
+    if name not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}")
+    # One stream per workload name, so changing one workload's sizes leaves the others alone.
+    rng = random.Random(f"{seed}:{name}")
+    s = sizes
+    engine: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    if name == "single":
+        reqs = [_request("r0", vocab.draw(rng, s.single_prompt), s.single_new, arrival_s=0.0)]
+    elif name == "prefill":
+        reqs = [_request(f"p{i}", vocab.draw(rng, s.prefill_len), 1,
+                         **({"arrival_s": 0.0} if i == 0 else
+                            {"after": {"request": f"p{i - 1}", "tokens": -1}}))
+                for i in range(s.prefill_reps)]
+    elif name in ("mixed", "mixed-poisson"):
+        rng = random.Random(f"{seed}:mixed")  # both variants serve the very same requests
+        reqs = [_request(f"m{i}", vocab.draw(rng, rng.randint(*s.mixed_prompt)),
+                         rng.randint(*s.mixed_out), arrival_s=0.0) for i in range(s.mixed_n)]
+        if name == "mixed-poisson":
+            arrivals = random.Random(f"{seed}:arrivals")
+            t = 0.0
+            for r in reqs:
+                r["arrival_s"] = round(t, 6)
+                t += arrivals.expovariate(s.poisson_rate)
+            meta["rate"] = s.poisson_rate
+    elif name == "shared-prefix":
+        prefix = vocab.draw(rng, s.shared_prefix)
+        reqs = [_request(f"c{i}", prefix + vocab.draw(rng, s.shared_user), s.shared_out,
+                         **({"arrival_s": 0.0} if i == 0 else
+                            {"after": {"request": f"c{i - 1}", "tokens": -1}}))
+                for i in range(s.shared_n)]
+        meta["shared_prefix"] = s.shared_prefix
+    elif name == "interference":
+        chunk_steps = -(-s.interf_long // s.interf_chunk)
+        decode_len = s.interf_warm + chunk_steps + s.interf_tail
+        reqs = [_request(f"d{i}", vocab.draw(rng, 32), decode_len, arrival_s=0.0)
+                for i in range(s.interf_streams)]
+        reqs.append(_request("long", vocab.draw(rng, s.interf_long), 1,
+                             after={"request": "d0", "tokens": s.interf_warm}))
+        engine = {"long_prefill_chunk": s.interf_chunk,
+                  "max_num_batched_tokens": max(2048, s.interf_chunk + s.interf_streams)}
+        meta["long_id"] = "long"
+    else:  # streaming
+        reqs = [_request(f"s{i}", vocab.draw(rng, rng.randint(*s.streams_prompt)),
+                         s.streams_out, arrival_s=0.0) for i in range(s.streams_n)]
+        # Shorter than one KV block, so the warm-up leaves nothing the prefix cache could hit.
+        meta["warmup_prompt"] = vocab.draw(rng, 8)
+    return {"name": name, "seed": seed, "requests": reqs, "engine": engine,
+            "hf_batch": s.hf_batch, "meta": meta}
