@@ -210,10 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     total = len(plan) * repeats
     done = 0
     for rep in range(repeats):
-        for w in workloads:  # per workload: A B (C), repeat after repeat -> A B A B ...
-            for ww, system in plan:
-                if ww != w:
-                    continue
+        for w in workloads:  # per workload: A B, then B A, ... so drift hits both alike
+            order = [system for ww, system in plan if ww == w]
+            for system in order if rep % 2 == 0 else order[::-1]:
                 done += 1
                 log.info("[%d/%d] %s: %s (repeat %d/%d) ...", done, total, w, system,
                          rep + 1, repeats)
