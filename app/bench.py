@@ -7,7 +7,7 @@ and its HTTP front-end against its ZeroMQ protocol.
 
 Workloads are built from a seed (app/bench_workloads.py: token ids drawn from the model's
 ordinary vocabulary, output lengths, arrival times) and written as JSON; each (system, workload,
-repeat) then runs in a fresh process, systems alternating (A B A B ...) so machine drift hits all
+repeat) then runs in a fresh process, systems in turn (A B, then B A, ...) so machine drift hits all
 of them alike: `python -m engine_proc.bench_worker` for the in-process engine, transformers and
 llama.cpp; `python -m app.bench_clients` for the engine process behind its ZeroMQ and HTTP
 front-ends (kvscope-zmq, kvscope-http). This module never imports torch, transformers or
