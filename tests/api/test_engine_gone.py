@@ -60,7 +60,8 @@ def test_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks() -> None
                 "stream": True, "ignore_eos": True}  # fmt: skip
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", serve.url + "/v1/completions", json=body) as r:
-                first = next(r.iter_lines())
+                lines = r.iter_lines()  # kept: a dropped iterator closes the stream at once
+                first = next(lines)
                 assert first.startswith("data: {") and "error" not in first, first
                 busy = _wait_metrics(serve, _holds_blocks, timeout=60)
             # leaving the block closed the connection mid-stream
