@@ -1,6 +1,8 @@
 """`python -m app` / `kvscope`: the desktop app, and its subcommands.
 
-    kvscope [gui] [options]      the window (spawns the engine, or --connect to a running one)
+    kvscope [gui] [options]      the window (spawns the engine, or --connect to a running one,
+                                 or --connect http://HOST:PORT to watch vLLM, SGLang, llama.cpp's
+                                 server or `kvscope serve` over HTTP)
     kvscope chat ...             terminal chat (app.chat)
     kvscope bench ...            benchmarks (app.bench)
     kvscope serve ...            OpenAI-compatible HTTP API and Prometheus metrics (app.api.serve)
@@ -34,9 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--connect",
         metavar="ENDPOINT",
-        help="attach to a running engine instead of spawning one (e.g. tcp://127.0.0.1:5557)",
+        help="attach to a running engine instead of spawning one (e.g. tcp://127.0.0.1:5557), "
+        "or watch a server over HTTP: http://HOST:PORT of vLLM, SGLang, llama.cpp's server "
+        "(--metrics) or kvscope serve",
     )
     ap.add_argument("--token", default=None, help="engine access token (or $KVSCOPE_TOKEN)")
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="API key of the server given by --connect http://... (or $KVSCOPE_API_KEY)",
+    )
     ap.add_argument(
         "--data-dir",
         default=None,
@@ -145,10 +154,22 @@ def run_gui(args: argparse.Namespace) -> int:
     settings = open_settings(args.data_dir)
     store = ConversationStore(ddir / "conversations")
     options = _engine_options(args, settings)
+    from app.remote.probe import is_http_url, normalize_url
+
+    connect = "demo://" if args.demo else args.connect
+    api_key = None
+    if is_http_url(connect):
+        try:
+            connect = normalize_url(connect)
+        except ValueError as exc:
+            print(f"kvscope: --connect: {exc}", file=sys.stderr)
+            return 2
+        api_key = args.api_key or os.environ.get("KVSCOPE_API_KEY")
     source = EngineSource(
-        connect="demo://" if args.demo else args.connect,
+        connect=connect,
         options=options,
         token=args.token or os.environ.get("KVSCOPE_TOKEN"),
+        api_key=api_key,
     )
     win = MainWindow(settings, store, source, refresh_hz=args.refresh_hz, data_dir=ddir)
     win.show()

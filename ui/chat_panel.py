@@ -62,8 +62,11 @@ def format_stats(stats: dict) -> str:
     if isinstance(tps, int | float) and math.isfinite(tps):
         parts.append(f"{tps:.1f} tok/s")
     if "prompt_tokens" in stats:
-        parts.append(f"prompt {stats['prompt_tokens']} / cached {stats.get('cached_tokens', 0)}"
-                     f" / generated {stats.get('completion_tokens', 0)}")
+        cached = stats.get("cached_tokens", 0)
+        # a server over HTTP may not report cached tokens: say nothing rather than 0
+        parts.append(f"prompt {stats['prompt_tokens']}"
+                     + (f" / cached {cached}" if cached is not None else "")
+                     + f" / generated {stats.get('completion_tokens', 0)}")
     if stats.get("finish_reason"):
         parts.append(str(stats["finish_reason"]))
     if stats.get("error"):
@@ -582,16 +585,20 @@ class ChatPanel(QWidget):
 
     @staticmethod
     def _finish_stats(msg: Any) -> dict:
+        """From an engine Finish, or a server's over HTTP (ui/remote_link.py), which may lack
+        usage (None) or cached tokens (usage.cached_tokens None)."""
         u = msg.usage
-        n = u.completion_tokens
+        n = u.completion_tokens if u is not None else 0
         tok_s = None
         if msg.tpot:
             tok_s = 1.0 / msg.tpot
         elif msg.e2e and msg.ttft is not None and n > 1 and msg.e2e > msg.ttft:
             tok_s = (n - 1) / (msg.e2e - msg.ttft)
-        return {"ttft": msg.ttft, "tok_s": tok_s, "prompt_tokens": u.prompt_tokens,
-                "cached_tokens": u.cached_tokens, "completion_tokens": n,
-                "finish_reason": msg.reason, "e2e": msg.e2e}
+        stats = {"ttft": msg.ttft, "tok_s": tok_s, "finish_reason": msg.reason, "e2e": msg.e2e}
+        if u is not None:
+            stats |= {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+                      "completion_tokens": n}
+        return stats
 
     def interrupt_all(self, why: str) -> None:
         """The engine is gone: every streaming reply keeps its text and is marked interrupted."""

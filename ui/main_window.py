@@ -4,6 +4,12 @@ the status bar; an error banner with the engine's last log lines and Restart whe
 Engine lifecycle: `EngineSource` says whether we spawn the engine (through app.supervisor) or
 attach to one (`--connect`). Either way one `EngineLink` worker thread carries all ZeroMQ traffic.
 *Engine → Serve OpenAI API…* runs an HTTP front-end for the same engine (ui/api_server.py).
+
+`--connect http://HOST:PORT` (or *Engine → Connect to server…*) watches a server over HTTP
+instead: vLLM, SGLang, llama.cpp's server or a KVScope front-end, through one `RemoteLink`
+worker thread (ui/remote_link.py). A KVScope server feeds the same block map and charts from its
+telemetry stream; the others feed the /metrics charts (ui/remote_charts.py) and an aggregate KV
+panel (ui/kv_aggregate.py), which take the block map's and the charts' places.
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QSplitter,
+    QStackedWidget,
     QVBoxLayout,
     QWidget,
 )
 
 from app.conversations import ConversationStore
 from app.load_generator import LoadConfig
+from app.remote.probe import METRIC_LABELS, ServerInfo, is_http_url
+from app.remote.samples import MetricSample
 from app.settings import load_sampling, save_sampling
 from app.supervisor import EngineOptions, EngineSupervisor, engine_command
 from ui import theme
@@ -38,8 +47,13 @@ from ui.api_server import DEFAULT_PORT, OFF, SERVING, WAITING, ApiServer, ApiSer
 from ui.block_map import BlockMapWidget
 from ui.charts import ChartsWidget
 from ui.chat_panel import ChatPanel
+from ui.connect_dialog import ConnectDialog, recent_urls, remember_url
 from ui.controls import ControlsPanel, LoadPanel
 from ui.engine_link import EngineLink
+from ui.kv_aggregate import KvAggregateWidget
+from ui.metrics_history import MetricsHistory
+from ui.remote_charts import MetricsChartsWidget
+from ui.remote_link import RemoteLink
 from ui.telemetry import HTTP_ORIGIN, Frame, History
 
 log = logging.getLogger(__name__)
@@ -57,16 +71,23 @@ DECODE_WEIGHT_CHOICES = (
      "CPU; the default model's own Q4_1 codes, activations in bf16"),
 )
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "fp8": 1, "int8": 1}
+NEEDS_ZMQ = ("needs the engine protocol: this window watches {url} over HTTP (attach to a KVScope "
+             "engine with --connect tcp://HOST:PORT to change its limits)")
 
 
 @dataclass(slots=True)
 class EngineSource:
-    connect: str | None = None  # attach to this endpoint instead of spawning
+    # attach to this endpoint instead of spawning: tcp://... (an engine), http(s)://... (a
+    # server watched over HTTP: ui/remote_link.py), demo://
+    connect: str | None = None
     options: EngineOptions = field(default_factory=EngineOptions)
     # Engine command without option flags (tests); `options.to_args()` is appended at start.
     # Default: engine_command(options).
     command: list[str] | None = None
     token: str | None = None
+    api_key: str | None = None  # for an http(s):// server (never stored)
+    # more keyword arguments for ui.remote_link.RemoteLink (tests: a scripted clock, intervals)
+    link_options: dict = field(default_factory=dict)
     stall_timeout: float = 30.0  # one CPU step under load can take seconds
     # the spawned engine runs at a lower CPU priority so that, when the cores are contended
     # (CPU inference), the window stays responsive; 0 = same priority as the GUI
@@ -108,7 +129,15 @@ class MainWindow(QMainWindow):
         self.data_dir = data_dir
         self.history = History()
         self.state = "starting"
-        self.link: EngineLink | None = None
+        self.link: EngineLink | RemoteLink | None = None
+        self.remote_info: ServerInfo | None = None  # the server watched over HTTP, when one is
+        self.metric_history = MetricsHistory()
+        self._metrics_problem = ""
+        # where "back to the local engine" goes: what we were started with, unless it is HTTP
+        self._local_connect = None if is_http_url(source.connect) else source.connect
+        self.connect_dialog: ConnectDialog | None = None
+        self._chat_aliases: dict[str, str] = {}  # chat request id -> its HTTP response id
+        self._want_highlight: str | None = None  # a chat not yet resolved to an engine request
         self.supervisor: EngineSupervisor | None = None
         self.welcome = None
         self.last_error = ""
@@ -129,6 +158,8 @@ class MainWindow(QMainWindow):
         self.chat = ChatPanel(store, load_sampling(settings))
         self.block_map = BlockMapWidget()
         self.charts = ChartsWidget()
+        self.kv_aggregate = KvAggregateWidget()
+        self.metric_charts = MetricsChartsWidget()
         self.controls = ControlsPanel()
         self.load_panel = LoadPanel()
         self._build_layout()
@@ -136,7 +167,7 @@ class MainWindow(QMainWindow):
         self._build_menu()
 
         self.chat.submit.connect(self._on_submit)
-        self.chat.abort.connect(lambda rid: self.link and self.link.abort(rid))
+        self.chat.abort.connect(self._on_abort)
         self.chat.conversation_selected.connect(self._on_conversation_selected)
         self.block_map.request_selected.connect(self._on_block_request_selected)
         self.controls.control.connect(self._on_control)
@@ -189,9 +220,16 @@ class MainWindow(QMainWindow):
         bot.addWidget(self.controls, 3)
         bot.addWidget(self.load_panel, 2)
 
+        # per-block views, or (servers without per-block telemetry) the aggregate ones
+        self.kv_stack = QStackedWidget()
+        self.kv_stack.addWidget(self.block_map)
+        self.kv_stack.addWidget(self.kv_aggregate)
+        self.chart_stack = QStackedWidget()
+        self.chart_stack.addWidget(self.charts)
+        self.chart_stack.addWidget(self.metric_charts)
         right = QSplitter(Qt.Orientation.Vertical)
-        right.addWidget(self.block_map)
-        right.addWidget(self.charts)
+        right.addWidget(self.kv_stack)
+        right.addWidget(self.chart_stack)
         right.addWidget(bottom)
         right.setStretchFactor(0, 3)
         right.setStretchFactor(1, 4)
@@ -216,10 +254,20 @@ class MainWindow(QMainWindow):
 
     def _build_menu(self) -> None:
         menu = self.menuBar().addMenu("&Engine")
-        restart = QAction("&Restart engine", self)
+        restart = self.restart_action = QAction("&Restart engine", self)
         restart.setShortcut(QKeySequence("Ctrl+Shift+R"))
         restart.triggered.connect(self.restart_engine)
         menu.addAction(restart)
+        connect = self.connect_action = QAction("&Connect to server…", self)
+        connect.setToolTip("watch a vLLM, SGLang, llama.cpp or KVScope server over HTTP")
+        connect.triggered.connect(self.open_connect_dialog)
+        menu.addAction(connect)
+        local = self.local_action = QAction("Back to the &local engine", self)
+        local.setToolTip("stop watching the server and use this window's own engine again")
+        local.triggered.connect(self.use_local_engine)
+        local.setVisible(self._is_remote())
+        menu.addAction(local)
+        menu.addSeparator()
         weights = self.decode_weights_menu = menu.addMenu("&Decode weights")
         group = QActionGroup(self)
         self.decode_weight_actions: dict[str, QAction] = {}
@@ -235,17 +283,28 @@ class MainWindow(QMainWindow):
         actions = self.decode_weight_actions
         actions.get(current, actions["dense"]).setChecked(True)
         group.triggered.connect(lambda a: self.set_decode_weights(a.data()))
-        if self.source.connect:  # an attached engine keeps what it was started with
-            weights.setEnabled(False)
-            weights.setToolTip("set when the engine starts; this window attached to a running one")
         menu.addSeparator()
         api = self.api_action = QAction("Serve &OpenAI API…", self, checkable=True)
-        api.setToolTip("an OpenAI-compatible HTTP API on 127.0.0.1 for this window's engine")
         api.triggered.connect(self._on_api_toggled)
         menu.addAction(api)
         menu.setToolTipsVisible(True)
-        if self._is_demo():
-            api.setEnabled(False)
+        self._update_menu()
+
+    def _update_menu(self) -> None:
+        """What the Engine menu offers depends on what the window is attached to."""
+        remote = self._is_remote()
+        weights, api = self.decode_weights_menu, self.api_action
+        weights.setEnabled(not self.source.connect)
+        weights.setToolTip(
+            "" if not self.source.connect else
+            "set when the engine starts; this window watches a server over HTTP" if remote else
+            "set when the engine starts; this window attached to a running one")
+        api.setEnabled(not remote and not self._is_demo())
+        api.setToolTip("the window is watching a server over HTTP; it has an API of its own"
+                       if remote else
+                       "an OpenAI-compatible HTTP API on 127.0.0.1 for this window's engine")
+        self.restart_action.setText("&Reconnect" if remote else "&Restart engine")
+        self.local_action.setVisible(remote)
 
     def set_decode_weights(self, value: str) -> None:
         """Remember the choice and restart a spawned engine with it (an attached engine keeps
@@ -281,6 +340,152 @@ class MainWindow(QMainWindow):
     # --- OpenAI-compatible API ---------------------------------------------------------------
     def _is_demo(self) -> bool:
         return bool(self.source.connect and self.source.connect.startswith("demo:"))
+
+    def _is_remote(self) -> bool:
+        """Watching a server over HTTP (not an engine over ZeroMQ)."""
+        return is_http_url(self.source.connect)
+
+    # --- a server over HTTP --------------------------------------------------------------------
+    def open_connect_dialog(self) -> None:
+        dialog = ConnectDialog(recent_urls(self.settings), self)
+        dialog.accepted.connect(self._on_connect_dialog_accepted)
+        dialog.finished.connect(dialog.deleteLater)
+        self.connect_dialog = dialog
+        dialog.open()  # window-modal, returns at once
+
+    def _on_connect_dialog_accepted(self) -> None:
+        dialog = self.sender()
+        if dialog is not self.connect_dialog:
+            return
+        self.connect_dialog = None
+        url, key = dialog.values()
+        self.connect_to(url, key)
+
+    def connect_to(self, url: str, api_key: str | None = None) -> None:
+        """Watch the server at `url` (remembered in the recent list; the key is not)."""
+        remember_url(self.settings, url)
+        if self.api.state != OFF:
+            self.api.stop()  # it fronted our own engine, which we are leaving
+        self.source.connect, self.source.api_key = url, api_key
+        self._update_menu()
+        self.restart_engine()
+
+    def use_local_engine(self) -> None:
+        self.source.connect, self.source.api_key = self._local_connect, None
+        self._update_menu()
+        self.restart_engine()
+
+    def _on_remote_connected(self, info: ServerInfo) -> None:
+        if self.sender() is not self.link:
+            return
+        previous = self.remote_info
+        if previous is not None and info.per_block and info.welcome is not previous.welcome:
+            # the server came back with another engine: its counters and blocks start over
+            self.history.clear()
+            self.charts.clear()
+            self.block_map.clear()
+        self.remote_info = info
+        self.progress.setVisible(False)
+        self.progress_text.setText("")
+        per_block = info.per_block
+        self.kv_stack.setCurrentWidget(self.block_map if per_block else self.kv_aggregate)
+        self.chart_stack.setCurrentWidget(self.charts if per_block else self.metric_charts)
+        if per_block:
+            self.welcome = info.welcome
+            self._show_model(info.welcome)
+            self.model_label.setText(f"{self.model_label.text()} · KVScope at {info.url}")
+            self.controls.show_config(_cfg_dict(info.welcome.config))
+        else:
+            self.welcome = None
+            self.kv_aggregate.set_server(info.kind)
+            self._show_remote(info)
+        self._show_remote_notes()
+        self._set_controls_remote(info.url)
+        self.load_panel.setEnabled(True)
+        self.chat.set_engine_ready(True)
+        if self.state not in ("ready", "busy"):
+            self.banner.setVisible(False)
+            self._set_state("ready")
+
+    def _on_remote_connect_failed(self, why: str) -> None:
+        if self.sender() is self.link:  # not a late word from a link we have replaced
+            self._fail(f"could not connect: {why}")
+
+    def _show_remote(self, info: ServerInfo) -> None:
+        bits = [info.name]
+        if info.model:
+            bits.append(info.model)
+        bits.append(info.url)
+        s = self.metric_history.latest
+        ranks = [r for r in s.ranks if r] if s is not None else []
+        if len(ranks) > 1:
+            bits.append(f"{len(ranks)} ranks")
+        self.model_label.setText(" · ".join(bits))
+        if s is not None and s.num_blocks:
+            bs = f" × {s.block_size} tokens" if s.block_size else ""
+            kv = f"{s.num_blocks:,} blocks{bs} per rank · KV usage only (no per-block telemetry)"
+        elif s is not None and s.capacity_tokens:
+            kv = f"{s.capacity_tokens:,.0f} KV tokens per rank · usage only"
+        else:
+            kv = "KV pool size not reported"
+        self.kv_label.setText(kv)
+
+    def _show_remote_notes(self) -> None:
+        """What the server does not report, and why /metrics could not be read (if so)."""
+        info = self.remote_info
+        if info is None:
+            self.remote_label.setVisible(False)
+            return
+        parts = []
+        if self._metrics_problem:
+            parts.append(f"metrics: {self._metrics_problem}")
+        if not info.per_block:
+            missing = _missing_labels(info.missing)
+            if missing:
+                parts.append("not reported by this server: " + ", ".join(missing))
+        text = " · ".join(parts)
+        if text != self.remote_label.text():
+            self.remote_label.setText(text)
+        self.remote_label.setVisible(bool(text))
+
+    def _on_metrics(self, sample: MetricSample) -> None:
+        if self.sender() is not self.link:
+            return
+        t0 = time.perf_counter()
+        first = self.metric_history.latest is None
+        self.metric_history.add(sample)
+        self.kv_aggregate.set_sample(sample)
+        if first and self.remote_info is not None and not self.remote_info.per_block:
+            self._show_remote(self.remote_info)  # ranks and pool size come with the first one
+        if self.state in ("ready", "busy"):
+            running, waiting = sample.running or 0, sample.waiting or 0
+            self._set_state("busy" if running or waiting else "ready",
+                            f"{running:.0f} running, {waiting:.0f} waiting" if running or waiting
+                            else "")
+        self.perf["frames"].append(time.perf_counter() - t0)
+
+    def _on_metrics_problem(self, why: str) -> None:
+        if self.sender() is not self.link:
+            return
+        self._metrics_problem = why
+        self._show_remote_notes()
+
+    def _set_controls_remote(self, url: str | None) -> None:
+        """Engine controls need the ZeroMQ protocol: greyed out, with the reason, over HTTP
+        (`url`); None puts the engine's own tooltips back (enabled once an engine connects)."""
+        tip = NEEDS_ZMQ.format(url=url) if url else ""
+        if url:
+            self.controls.setEnabled(False)
+        self.controls.setToolTip(tip)
+        for w in (*self.controls.sliders.values(), self.controls.prefix, self.controls.flush):
+            w.setProperty("engine_tip", w.property("engine_tip") or w.toolTip())
+            w.setToolTip(tip or w.property("engine_tip"))
+        self.controls.show_result(
+            "engine controls: only over the engine protocol (ZeroMQ)" if url else "")
+
+    def _on_abort(self, rid: str) -> None:
+        if self.link is not None:
+            self.link.abort(rid)
 
     def _on_api_toggled(self, checked: bool) -> None:
         """The menu action (user-triggered only): on asks for port and key first."""
@@ -365,11 +570,18 @@ class MainWindow(QMainWindow):
         self.api_label.setToolTip("the OpenAI-compatible API (Engine → Serve OpenAI API…) and "
                                   "how many of the engine's requests came through it")
         self.api_label.setVisible(False)
+        self.remote_label = QLabel()
+        self.remote_label.setStyleSheet("color: #f5a623; margin-left: 8px;")
+        self.remote_label.setWordWrap(False)
+        self.remote_label.setToolTip("what this server's /metrics does not export: those charts "
+                                     "say \"not reported by this server\" instead of showing 0")
+        self.remote_label.setVisible(False)
         sb.addWidget(self.state_label)
         sb.addWidget(self.progress)
         sb.addWidget(self.progress_text)
         sb.addWidget(self.model_label)
         sb.addWidget(self.api_label)
+        sb.addWidget(self.remote_label)
         sb.addPermanentWidget(self.kv_label)
         self._set_state("starting")
 
@@ -396,8 +608,16 @@ class MainWindow(QMainWindow):
 
     # --- engine lifecycle -------------------------------------------------------------------
     def start_engine(self) -> None:
+        # the per-block views until a server over HTTP turns out to have none
+        self.remote_info = None
+        self._metrics_problem = ""
+        self._show_remote_notes()
+        self.kv_stack.setCurrentWidget(self.block_map)
+        self.chart_stack.setCurrentWidget(self.charts)
+        self._set_controls_remote(self.source.connect if self._is_remote() else None)
         self.banner.setVisible(False)
         self.chat.set_engine_ready(False, "starting the engine…")
+        self.restart_btn.setText("Reconnect" if self._is_remote() else "Restart engine")
         if self.source.connect:
             self._set_state("starting", f"connecting to {self.source.connect}")
             self._open_link(self.source.connect)
@@ -446,6 +666,9 @@ class MainWindow(QMainWindow):
         self._open_link(info["endpoint"])
 
     def _open_link(self, endpoint: str) -> None:
+        if is_http_url(endpoint):
+            self._open_remote(endpoint)
+            return
         if endpoint.startswith("demo:"):
             from ui.demo import DemoLink
 
@@ -467,6 +690,28 @@ class MainWindow(QMainWindow):
         self.link = link
         link.start()
 
+    def _open_remote(self, url: str) -> None:
+        try:
+            options = {"stall_timeout": min(self.source.stall_timeout, 10.0),
+                       **self.source.link_options}
+            link = RemoteLink(url, api_key=self.source.api_key, **options)
+        except ValueError as exc:
+            self._fail(str(exc))
+            return
+        link.connected.connect(self._on_remote_connected)
+        link.connect_failed.connect(self._on_remote_connect_failed)
+        link.replies.connect(self._on_replies)
+        link.frames.connect(self._on_frames)
+        link.metrics.connect(self._on_metrics)
+        link.metrics_problem.connect(self._on_metrics_problem)
+        link.alias.connect(self._on_alias)
+        link.control_reply.connect(self._on_control_reply)
+        link.load_stats.connect(self.load_panel.show_stats)
+        link.stalled.connect(self._on_stalled)
+        link.recovered.connect(self._on_recovered)
+        self.link = link
+        link.start()
+
     def _on_connected(self, welcome) -> None:
         if self.sender() is not self.link:
             return
@@ -474,6 +719,7 @@ class MainWindow(QMainWindow):
         self.progress.setVisible(False)
         self.progress_text.setText("")
         self._show_model(welcome)
+        self._set_controls_remote(None)
         self.controls.setEnabled(True)
         self.controls.show_config(_cfg_dict(welcome.config))
         self.load_panel.setEnabled(True)
@@ -499,6 +745,10 @@ class MainWindow(QMainWindow):
         self._frames_seen += len(frames)
         last = frames[-1]
         self.block_map.set_frame(last, self.history.last_tables)
+        if self._want_highlight is not None:
+            erid = self._engine_rid(self._want_highlight)
+            if erid is not None and erid != self.block_map.highlight_rid:
+                self.block_map.highlight_rid = erid  # drawn with this frame
         self.controls.show_config(last.config)
         if self.api.state == SERVING:
             n = self._count_http()
@@ -515,14 +765,24 @@ class MainWindow(QMainWindow):
     def _refresh(self) -> None:
         t0 = time.perf_counter()
         self._tick += 1
+        aggregate = self.kv_stack.currentWidget() is self.kv_aggregate
         if self._tick % 2:
-            self.charts.refresh(self.history)
+            if aggregate:
+                self.metric_charts.refresh(self.metric_history)
+            else:
+                self.charts.refresh(self.history)
+        elif aggregate:
+            self.kv_aggregate.redraw()
         else:
             self.block_map.redraw()
         self.perf["refresh"].append(time.perf_counter() - t0)
 
     def redraw_now(self) -> None:
         """Both panels at once (screenshots)."""
+        if self.kv_stack.currentWidget() is self.kv_aggregate:
+            self.metric_charts.refresh(self.metric_history)
+            self.kv_aggregate.redraw(force=True)
+            return
         self.charts.refresh(self.history)
         self.block_map.redraw(force=True)
 
@@ -540,6 +800,10 @@ class MainWindow(QMainWindow):
         if self.supervisor is not None and not self.supervisor.running():
             return  # the exit handler says it better
         self._set_state("not answering", why)
+        if self._is_remote():  # the link keeps trying; a restarted server is picked up again
+            self._show_banner(f"The server at {self.source.connect} is not answering ({why}). "
+                              "Trying again every second; replies in progress are cut off.")
+            return
         self._show_banner(f"The engine is not answering ({why}). It may be busy with a long "
                           "step; Restart stops it and starts a new one.")
         if self.supervisor is None:  # attached: nobody will tell us it died, so give up later
@@ -577,7 +841,10 @@ class MainWindow(QMainWindow):
             self.link.stop(timeout=1.0)
             self.link = None
         self._set_state("disconnected", why)
-        self._show_banner(f"Engine failure: {why}.")
+        if self._is_remote():
+            self._show_banner(f"Cannot watch {self.source.connect}: {why}.")
+        else:
+            self._show_banner(f"Engine failure: {why}.")
 
     def _show_banner(self, text: str) -> None:
         tail = self.supervisor.tail(40) if self.supervisor else []
@@ -600,6 +867,10 @@ class MainWindow(QMainWindow):
         self.history.clear()
         self.charts.clear()
         self.block_map.clear()
+        self.metric_history.clear()
+        self.metric_charts.clear()
+        self.kv_aggregate.clear()
+        self._chat_aliases.clear()
         self.load_panel.set_running(False)
         self.start_engine()
 
@@ -611,10 +882,42 @@ class MainWindow(QMainWindow):
         self.link.generate(rid, messages, sampling)
 
     def _on_conversation_selected(self, conv_id: str, rid: str) -> None:
+        if self._is_remote() and rid:
+            # a chat over HTTP has another id in the engine: found once the server names it
+            self._want_highlight = rid
+            self.block_map.highlight_request(self._engine_rid(rid))
+            return
+        self._want_highlight = None
         self.block_map.highlight_request(rid or None)
+
+    def _on_alias(self, rid: str, response_id: str) -> None:
+        if self.sender() is self.link:
+            self._chat_aliases[rid] = response_id
+
+    def _engine_rid(self, rid: str) -> str | None:
+        """The engine's id of a chat sent over HTTP (a KVScope front-end names its engine
+        request after the response id: "<chatcmpl-...>-<suffix>"); None while unknown."""
+        alias = self._chat_aliases.get(rid)
+        if alias is None:
+            return None
+        latest = self.history.latest
+        live = [r.request_id for r in latest.requests] if latest is not None else []
+        for erid in (*live, *self.history.last_tables):
+            if erid == alias or erid.startswith(alias + "-"):
+                return erid
+        return None
+
+    def _chat_rid_of(self, engine_rid: str) -> str:
+        for rid, alias in self._chat_aliases.items():
+            if engine_rid == alias or engine_rid.startswith(alias + "-"):
+                return rid
+        return engine_rid
 
     def _on_block_request_selected(self, rid: str) -> None:
         """A request picked in the block map: show its conversation when it is one of ours."""
+        self._want_highlight = None
+        if self._is_remote():
+            rid = self._chat_rid_of(rid)
         for conv_id, last in self.chat.last_request.items():
             if last == rid and (self.chat.current is None or self.chat.current.id != conv_id):
                 self.chat.conversation_selected.disconnect(self._on_conversation_selected)
@@ -691,6 +994,18 @@ class MainWindow(QMainWindow):
     def closeEvent(self, ev: QCloseEvent) -> None:  # noqa: N802 - Qt name
         self.shutdown()
         super().closeEvent(ev)
+
+
+def _missing_labels(missing: list[str]) -> list[str]:
+    """Canonical metric names -> what the status bar says (hits and queries as one)."""
+    out = []
+    for name in missing:
+        label = METRIC_LABELS.get(name, name)
+        if name in ("prefix_queries", "prefix_hits"):
+            label = "prefix-cache hit rate"
+        if label not in out:
+            out.append(label)
+    return out
 
 
 def _cfg_dict(cfg) -> dict:
