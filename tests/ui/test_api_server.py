@@ -57,7 +57,17 @@ def _wait_serving(win: MainWindow, qtbot) -> str:
     assert win.api_label.isVisible() and text.startswith("API http://127.0.0.1:"), text
     url = text.split()[1]
     assert url.endswith("/v1")
-    return url[: -len("/v1")]
+    base = url[: -len("/v1")]
+    # Listening comes before attaching to the engine: wait until /health says it serves.
+    qtbot.waitUntil(lambda: _health(base) == 200, timeout=60_000)
+    return base
+
+
+def _health(base: str) -> int:
+    try:
+        return httpx.get(base + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
 
 
 def _table_origins(win: MainWindow) -> dict[str, str]:
