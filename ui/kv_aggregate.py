@@ -68,7 +68,7 @@ def usage_detail(usage: float | None, s: MetricSample) -> str:
     if usage is None:
         return "—"
     if s.num_blocks:
-        return f"{_pct(usage)} ≈ {usage * s.num_blocks * 2:,.0f} of {s.num_blocks:,} blocks"
+        return f"{_pct(usage)} ≈ {usage * s.num_blocks:,.0f} of {s.num_blocks:,} blocks"
     if s.capacity_tokens:
         return (f"{_pct(usage)} ≈ {usage * s.capacity_tokens:,.0f} of "
                 f"{s.capacity_tokens:,.0f} tokens")
