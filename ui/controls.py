@@ -31,6 +31,12 @@ LIMITS = (
 )
 
 
+def config_dict(cfg) -> dict:
+    """An engine's live config (a protocol struct, or a dict already) as `show_config` takes it."""
+    fields = getattr(cfg, "__struct_fields__", None)
+    return {k: getattr(cfg, k) for k in fields} if fields else dict(cfg)
+
+
 class ControlsPanel(QGroupBox):
     control = Signal(str, dict)  # op, fields (ipc.protocol.Control)
 

@@ -1,0 +1,166 @@
+"""The main window's status bar: engine state, loading progress, the model and its KV pool (with
+the `2 · L · H_kv · D · bytes` formula), the OpenAI API's URL and load, and in orange what a
+server watched over HTTP does not report."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
+
+from app.remote.probe import METRIC_LABELS, ServerInfo
+from app.remote.samples import MetricSample
+from ui import theme
+from ui.api_server import OFF, SERVING, WAITING, ApiServer
+
+STATE_COLOURS = {
+    "starting": "#8a909c", "loading": "#f5a623", "ready": "#3cb44b", "busy": "#42d4f4",
+    "not answering": "#f58231", "disconnected": "#e6194b", "stopped": "#8a909c",
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "fp8": 1, "int8": 1}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def kv_formula(model: object) -> str:
+    """'KV/token 2·L·H_kv·D·bytes = 2·30·3·64·4 = 46,080 B'."""
+    L, H, D = model.num_layers, model.num_kv_heads, model.head_dim  # noqa: N806
+    b = DTYPE_BYTES.get(str(model.dtype).replace("torch.", ""))
+    if b is None:
+        return f"KV/token {model.kv_bytes_per_token:,} B"
+    return f"KV/token 2·L·H_kv·D·bytes = 2·{L}·{H}·{D}·{b} = {model.kv_bytes_per_token:,} B"
+
+
+def missing_labels(missing: list[str]) -> list[str]:
+    """Canonical metric names -> what the status bar says (hits and queries as one)."""
+    out = []
+    for name in missing:
+        label = METRIC_LABELS.get(name, name)
+        if name in ("prefix_queries", "prefix_hits"):
+            label = "prefix-cache hit rate"
+        if label not in out:
+            out.append(label)
+    return out
+
+
+class StatusBarView:
+    """The labels of a window's status bar and what they say; the window decides when."""
+
+    def __init__(self, bar: QStatusBar) -> None:
+        self.state_label = QLabel()
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(180)
+        self.progress.setRange(0, 100)
+        self.progress.setVisible(False)
+        self.progress_text = QLabel()
+        self.model_label = QLabel()
+        self.kv_label = QLabel()
+        self.kv_label.setStyleSheet(f"color: {theme.MUTED};")
+        self.api_label = QLabel()
+        self.api_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.api_label.setStyleSheet(f"color: {theme.ACCENT}; margin-left: 8px;")
+        self.api_label.setToolTip("the OpenAI-compatible API (Engine → Serve OpenAI API…) and "
+                                  "how many of the engine's requests came through it")
+        self.api_label.setVisible(False)
+        self.remote_label = QLabel()
+        self.remote_label.setStyleSheet("color: #f5a623; margin-left: 8px;")
+        self.remote_label.setWordWrap(False)
+        self.remote_label.setToolTip("what this server's /metrics does not export: those charts "
+                                     "say \"not reported by this server\" instead of showing 0")
+        self.remote_label.setVisible(False)
+        bar.addWidget(self.state_label)
+        bar.addWidget(self.progress)
+        bar.addWidget(self.progress_text)
+        bar.addWidget(self.model_label)
+        bar.addWidget(self.api_label)
+        bar.addWidget(self.remote_label)
+        bar.addPermanentWidget(self.kv_label)
+
+    def show_state(self, state: str, detail: str = "") -> None:
+        col = STATE_COLOURS.get(state, theme.TEXT)
+        self.state_label.setText(f'<b style="color:{col}">● {state}</b>'
+                                 + (f" {detail}" if detail else ""))
+
+    def start_progress(self) -> None:
+        self.progress.setVisible(True)
+        self.progress.setValue(0)
+
+    def show_progress(self, frac: float, msg: str) -> None:
+        self.progress.setVisible(True)
+        self.progress.setValue(int(frac * 100))
+        self.progress_text.setText(msg)
+
+    def hide_progress(self) -> None:
+        self.progress.setVisible(False)
+        self.progress_text.setText("")
+
+    def show_engine(self, m) -> None:
+        """An engine's model_info (`Welcome.model`): what runs where, and its KV pool."""
+        engine_bits = [m.name, m.architecture, m.device, m.dtype]
+        if m.attention_backend:
+            engine_bits.append(f"{m.attention_backend} attention")
+        if m.decode_weights == "int4":
+            engine_bits.append("int4 decode weights")
+        if m.cuda_graph_sizes:
+            engine_bits.append(f"CUDA graphs ≤{m.cuda_graph_sizes[-1]} seqs")
+        self.model_label.setText(" · ".join(engine_bits))
+        total = m.num_blocks * m.block_size * m.kv_bytes_per_token
+        self.kv_label.setText(
+            f"{m.num_blocks:,} blocks × {m.block_size} tokens · {kv_formula(m)} · "
+            f"KV pool {human_bytes(total)} · max len {m.max_model_len:,}")
+
+    def show_server(self, info: ServerInfo, s: MetricSample | None) -> None:
+        """A server without per-block telemetry: its kind, model, URL, ranks and pool size
+        (the last two from its latest /metrics sample `s`, when there is one)."""
+        bits = [info.name]
+        if info.model:
+            bits.append(info.model)
+        bits.append(info.url)
+        ranks = [r for r in s.ranks if r] if s is not None else []
+        if len(ranks) > 1:
+            bits.append(f"{len(ranks)} ranks")
+        self.model_label.setText(" · ".join(bits))
+        if s is not None and s.num_blocks:
+            bs = f" × {s.block_size} tokens" if s.block_size else ""
+            kv = f"{s.num_blocks:,} blocks{bs} per rank · KV usage only (no per-block telemetry)"
+        elif s is not None and s.capacity_tokens:
+            kv = f"{s.capacity_tokens:,.0f} KV tokens per rank · usage only"
+        else:
+            kv = "KV pool size not reported"
+        self.kv_label.setText(kv)
+
+    def show_server_notes(self, info: ServerInfo | None, metrics_problem: str) -> None:
+        """What the server does not report, and why /metrics could not be read (if so)."""
+        if info is None:
+            self.remote_label.setVisible(False)
+            return
+        parts = []
+        if metrics_problem:
+            parts.append(f"metrics: {metrics_problem}")
+        if not info.per_block:
+            missing = missing_labels(info.missing)
+            if missing:
+                parts.append("not reported by this server: " + ", ".join(missing))
+        text = " · ".join(parts)
+        if text != self.remote_label.text():
+            self.remote_label.setText(text)
+        self.remote_label.setVisible(bool(text))
+
+    def show_api(self, api: ApiServer, http_in_flight: int) -> None:
+        state = api.state
+        if state == SERVING:
+            text = f"API {api.url}/v1 · {http_in_flight} HTTP in flight"
+        elif state == WAITING:
+            text = "API: waiting for the engine"
+        elif api.restarting:
+            moved = api.endpoint != api.served_endpoint
+            text = "API restarting for the new engine…" if moved else "API restarting…"
+        else:
+            text = f"API {state}…"
+        self.api_label.setText(text)
+        self.api_label.setVisible(state != OFF)

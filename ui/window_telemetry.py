@@ -1,0 +1,89 @@
+"""What the link delivers, into the main window's panels: chat replies and telemetry frames as
+they arrive, chart and block-map redraws from a timer. Every handler's time goes into
+`window.perf` (the latency benchmark, `python -m app --measure-latency`, reports it)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import QObject, QTimer
+
+from ui.telemetry import Frame
+
+if TYPE_CHECKING:
+    from ui.main_window import MainWindow
+
+
+class TelemetryFeed(QObject):
+    """Slots for the link's `replies` and `frames` (a QObject, so that `sender()` tells the
+    current link from a replaced one) and the redraw timer."""
+
+    def __init__(self, window: MainWindow, refresh_hz: float) -> None:
+        super().__init__(window)
+        self.w = window
+        self.frames_seen = 0
+        # charts and block map redraw on alternate ticks: each at refresh_hz, and no single
+        # event does both (shorter events = lower event-loop latency)
+        self._tick = 0
+        self.timer = QTimer(window)
+        self.timer.setInterval(max(1, int(500 / refresh_hz)))
+        self.timer.timeout.connect(self._refresh)
+
+    def on_replies(self, msgs: list) -> None:
+        t0 = time.perf_counter()
+        self.w.chat.on_replies(msgs)
+        self.w.perf["replies"].append(time.perf_counter() - t0)
+
+    def on_frames(self, frames: list[Frame]) -> None:
+        if self.sender() is not self.w.link:
+            return
+        t0 = time.perf_counter()
+        self._take_frames(frames)
+        self.w.perf["frames"].append(time.perf_counter() - t0)
+
+    def _take_frames(self, frames: list[Frame]) -> None:
+        w = self.w
+        for f in frames:
+            w.history.add(f)
+        self.frames_seen += len(frames)
+        last = frames[-1]
+        w.block_map.set_frame(last, w.history.last_tables)
+        if w.want_highlight is not None:
+            erid = w.remote.engine_rid(w.want_highlight)
+            if erid is not None and erid != w.block_map.highlight_rid:
+                w.block_map.highlight_rid = erid  # drawn with this frame
+        w.controls.show_config(last.config)
+        w.api_toggle.on_frame()
+        if w.state in ("ready", "busy"):
+            running = last.counters.get("num_requests_running", 0)
+            waiting = last.counters.get("num_requests_waiting", 0)
+            w.set_state("busy" if running or waiting else "ready",
+                        f"{running:.0f} running, {waiting:.0f} waiting" if running or waiting
+                        else "")
+
+    def _refresh(self) -> None:
+        w = self.w
+        t0 = time.perf_counter()
+        self._tick += 1
+        aggregate = w.kv_stack.currentWidget() is w.kv_aggregate
+        if self._tick % 2:
+            if aggregate:
+                w.metric_charts.refresh(w.metric_history)
+            else:
+                w.charts.refresh(w.history)
+        elif aggregate:
+            w.kv_aggregate.redraw()
+        else:
+            w.block_map.redraw()
+        w.perf["refresh"].append(time.perf_counter() - t0)
+
+    def redraw_now(self) -> None:
+        """Both panels at once (screenshots)."""
+        w = self.w
+        if w.kv_stack.currentWidget() is w.kv_aggregate:
+            w.metric_charts.refresh(w.metric_history)
+            w.kv_aggregate.redraw(force=True)
+            return
+        w.charts.refresh(w.history)
+        w.block_map.redraw(force=True)
