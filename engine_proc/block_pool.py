@@ -4,6 +4,7 @@ and the prefix-hash index."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -28,6 +29,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
+        # Called with a cached block about to lose its contents to reuse (lower KV tiers write
+        # it down here); None = evicted prefixes are simply gone.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -37,6 +41,8 @@ class BlockPool:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
+        if self.on_evict is not None and block.block_hash is not None:
+            self.on_evict(block)
         self._drop_hash(block)
         block.ref_count = 1
         return block

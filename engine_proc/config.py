@@ -8,6 +8,9 @@ from dataclasses import dataclass
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_BACKENDS = ("auto", "torch", "triton")
 SUPPORTED_DECODE_WEIGHTS = ("dense", "int4", "auto")
+SUPPORTED_KV_TIER_POLICIES = ("write_back", "write_through")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8")
+DEFAULT_KV_DISK_BYTES = 4 * 1024**3
 
 
 @dataclass(slots=True)
@@ -18,6 +21,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # wins over kv_cache_memory when set
     kv_cache_memory: int = 256 * 1024 * 1024  # bytes for the K/V pool
+    # "auto": K/V in the model dtype; "int8": int8 with a float16 scale per token and KV head
+    # (torch attention path; engine_proc/attention/kv_quant.py), about half the bytes of bf16.
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -31,6 +37,14 @@ class EngineConfig:
     # dense.
     decode_weights: str = "dense"
     seed: int = 0  # seeds requests that bring no seed of their own
+    # Lower KV tiers (engine_proc/kv_tiers.py), off by default: bytes of host memory for evicted
+    # prefix blocks (pinned on CUDA), and a directory whose block files outlive the process.
+    kv_host_memory: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES
+    # "write_back": blocks go down when the pool evicts them; "write_through": also as soon as
+    # they are computed (a restart then finds every prefix on disk).
+    kv_tier_policy: str = "write_back"
     num_threads: int | None = None  # torch intra-op threads on CPU
 
     def __post_init__(self) -> None:
@@ -54,6 +68,26 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory!r}")
+        for name in ("kv_host_memory", "kv_disk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (bytes), got {value!r}")
+        if self.kv_disk_dir is not None and (
+            not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir
+        ):
+            raise ValueError(
+                f"kv_disk_dir must be a directory path or None, got {self.kv_disk_dir!r}"
+            )
+        if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {SUPPORTED_KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_tier_policy not in SUPPORTED_KV_TIER_POLICIES:
+            raise ValueError(
+                f"kv_tier_policy must be one of {SUPPORTED_KV_TIER_POLICIES}, "
+                f"got {self.kv_tier_policy!r}"
+            )
         check_limits(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_chunk)
 
 
@@ -89,4 +123,50 @@ def kernel_options(args: argparse.Namespace) -> dict[str, object]:
         "attention_backend": args.attention_backend,
         "cuda_graphs": not args.no_cuda_graphs,
         "decode_weights": args.decode_weights,
+    }
+
+
+def add_kv_tier_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The KV dtype and lower-KV-tier flags; `kv_tier_options(args)` turns them into
+    EngineConfig keywords."""
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=SUPPORTED_KV_CACHE_DTYPES,
+        help="auto: the model dtype; int8: per-token int8 K/V (about half the bytes of bf16)",
+    )
+    parser.add_argument(
+        "--kv-host-memory",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="host memory for KV blocks evicted from the pool (0 = no host tier)",
+    )
+    parser.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="directory of KV block files that persist across restarts (default: no disk tier)",
+    )
+    parser.add_argument(
+        "--kv-disk-bytes",
+        type=int,
+        default=DEFAULT_KV_DISK_BYTES,
+        metavar="N",
+        help="most bytes the disk tier may hold (LRU beyond)",
+    )
+    parser.add_argument(
+        "--kv-write-through",
+        action="store_true",
+        help="store blocks in the lower tiers as soon as they are computed (default: on eviction)",
+    )
+
+
+def kv_tier_options(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_host_memory": args.kv_host_memory,
+        "kv_disk_dir": args.kv_disk_dir,
+        "kv_disk_bytes": args.kv_disk_bytes,
+        "kv_tier_policy": "write_through" if args.kv_write_through else "write_back",
     }

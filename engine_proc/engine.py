@@ -13,9 +13,12 @@ from typing import Any
 import torch
 
 from engine_proc.attention import select_backend
+from engine_proc.attention.kv_quant import SCALE_DTYPE as KV_SCALE_DTYPE
+from engine_proc.attention.kv_quant import Int8TorchAttentionBackend, kv_int8_bytes_per_token
 from engine_proc.config import EngineConfig
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.kv_cache_manager import KVCacheManager, root_hash
+from engine_proc.kv_tiers import KVTiers, model_fingerprint
 from engine_proc.metrics import RequestHistograms
 from engine_proc.model_loader import Checkpoint, load_checkpoint
 from engine_proc.model_runner import ModelRunner
@@ -54,6 +57,7 @@ class LLMEngine:
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.model_id = f"{ckpt.model_id}|{config.dtype}"
+        ckpt_model_id = ckpt.model_id
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -62,15 +66,30 @@ class LLMEngine:
             mc, ckpt.weights, self.dtype, self.device, self.max_model_len, self.decode_weights
         )
         del ckpt
-        self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype.itemsize)
+        self.kv_cache_dtype = config.kv_cache_dtype
+        int8_kv = config.kv_cache_dtype == "int8"
+        if int8_kv:
+            self.kv_bytes_per_token = kv_int8_bytes_per_token(
+                mc.num_layers, mc.num_kv_heads, mc.head_dim
+            )
+        else:
+            self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype.itemsize)
         self.block_size = config.block_size
         self.block_bytes = self.kv_bytes_per_token * self.block_size
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // self.block_bytes)
         kv_cache = torch.zeros(
             (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=self.dtype,
+            dtype=torch.int8 if int8_kv else self.dtype,
             device=self.device,
         )
+        kv_scales = None
+        if int8_kv:
+            if config.kv_host_memory or config.kv_disk_dir is not None:
+                raise ValueError(
+                    "kv_cache_dtype='int8' cannot be combined with kv_host_memory / kv_disk_dir "
+                    "yet; use kv_cache_dtype='auto' with the lower KV tiers"
+                )
+            kv_scales = torch.ones(kv_cache.shape[:-1], dtype=KV_SCALE_DTYPE, device=self.device)
         logger.info(
             "KV cache: %d B/token (2 x %d layers x %d kv heads x %d dim x %d B); pool %d blocks "
             "x %d tokens = %.1f MiB",
@@ -83,12 +102,48 @@ class LLMEngine:
             self.block_size,
             kv_cache.nbytes / 2**20,
         )
+        if int8_kv:
+            logger.info(
+                "KV cache dtype int8: %d B/token (2 x %d layers x %d kv heads x (%d x 1 B + "
+                "%d B scale))",
+                self.kv_bytes_per_token,
+                mc.num_layers,
+                mc.num_kv_heads,
+                mc.head_dim,
+                KV_SCALE_DTYPE.itemsize,
+            )
         self.num_blocks = num_blocks
         self.backend = select_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, kv_cache, self.backend)
+        if int8_kv:
+            if self.backend.name != "torch":
+                if config.attention_backend == "triton":
+                    raise ValueError(
+                        "kv_cache_dtype='int8' runs on the torch attention backend only (yet); "
+                        "use attention_backend='torch' or 'auto'"
+                    )
+                logger.warning("int8 KV cache: using the torch attention backend")
+            self.backend = Int8TorchAttentionBackend()
+        self.runner = ModelRunner(self.model, kv_cache, self.backend, kv_scales, self.dtype)
         if config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self._capture_decode_graphs(progress)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        # The root of every prefix-hash chain: all that changes K/V contents besides the tokens
+        # (deterministic across processes, so disk entries are found again after a restart).
+        self.cache_identity = (
+            f"{self.model_id}|rev={model_fingerprint(ckpt_model_id)}|kv_dtype={self.kv_cache_dtype}"
+            f"|block_size={self.block_size}"
+        )
+        if config.kv_host_memory or config.kv_disk_dir is not None:
+            self.kv.attach_tiers(
+                KVTiers(
+                    kv_cache,
+                    root_hash(self.cache_identity, None),
+                    host_bytes=config.kv_host_memory,
+                    disk_dir=config.kv_disk_dir,
+                    disk_bytes=config.kv_disk_bytes,
+                    write_through=config.kv_tier_policy == "write_through",
+                )
+            )
         self.scheduler = Scheduler(
             self.kv,
             SchedulerLimits(
@@ -163,7 +218,7 @@ class LLMEngine:
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
             metrics=RequestMetrics(now, None, None, None),
-            root_hash=root_hash(self.model_id, cache_salt),
+            root_hash=root_hash(self.cache_identity, cache_salt),
             max_total_tokens=limit,
             eos_token_ids=self.eos_token_ids,
             num_forks=params.n,
@@ -273,7 +328,10 @@ class LLMEngine:
             logger.exception(
                 "forward pass failed; failing the %d sequences of this step", len(batch.seqs)
             )
+            self.kv.pending_stores.clear()  # their K/V was never written
             return self._fail_batch(batch, f"engine error: {exc}")
+        if self.kv.pending_stores:
+            self.kv.flush_pending_stores()
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
         self.stats.prompt_tokens_total += batch.num_prefill_tokens
@@ -472,8 +530,22 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         dropped = self.kv.pool.reset_prefix_cache()
+        if self.kv.tiers is not None:  # the next request recomputes: lower tiers are emptied too
+            self.kv.tiers.clear()
         logger.info("prefix cache reset: %d cached blocks dropped", dropped)
         return True
+
+    def flush_kv_tiers(self) -> int:
+        """Write every cached pool block down into the lower KV tiers (write-back only stores
+        evicted blocks, so a prefix whose first blocks never left the pool would not survive a
+        restart); call before shutting down. Returns the number of blocks offered."""
+        tiers = self.kv.tiers
+        if tiers is None:
+            return 0
+        cached = [b for b in self.kv.pool.blocks if b.block_hash is not None]
+        for block in cached:
+            tiers.store(block.block_hash, block.block_id)
+        return len(cached)
 
     def model_info(self) -> dict[str, Any]:
         mc = self.model_config
@@ -514,6 +586,8 @@ class LLMEngine:
             contiguous_bytes_per_request=self.max_model_len * self.kv_bytes_per_token,
             live_config=self.live_config(),
         )
+        if self.kv.tiers is not None:
+            snap.counters.update(self.kv.tiers.counters())
         snap.histograms = self.histograms.by_name
         snap.finished_reasons = dict(self.histograms.finished_reasons)
         return snap

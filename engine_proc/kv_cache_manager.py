@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from typing import TYPE_CHECKING
 
 from engine_proc.block_pool import BlockPool, KVBlock
 from engine_proc.request import Sequence
+
+if TYPE_CHECKING:
+    from engine_proc.kv_tiers import KVTiers
 
 
 def root_hash(model_id: str, cache_salt: str | None) -> bytes:
@@ -29,6 +33,14 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.tiers: KVTiers | None = None  # lower KV tiers (host, disk); see attach_tiers
+        self.pending_stores: list[tuple[int, bytes]] = []  # write-through, after the step runs
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Evicted cached blocks are written down into `tiers`, and prefix lookups continue
+        there after the pool (engine_proc/kv_tiers.py)."""
+        self.tiers = tiers
+        self.pool.on_evict = lambda block: tiers.store(block.block_hash, block.block_id)
 
     @property
     def enable_caching(self) -> bool:
@@ -54,12 +66,68 @@ class KVCacheManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[KVBlock] = []
-        for h in self.full_block_hashes(seq, max_blocks):
+        hashes = self.full_block_hashes(seq, max_blocks)
+        for h in hashes:
             block = self.pool.lookup(h)
             if block is None:
                 break
             hit.append(block)
+        if self.tiers is not None and len(hit) < max_blocks:
+            hit = self._load_from_tiers(seq, hashes, hit)
         return hit
+
+    def _load_from_tiers(
+        self, seq: Sequence, hashes: list[bytes], hit: list[KVBlock]
+    ) -> list[KVBlock]:
+        """Continue the prefix walk below the pool: each next block comes from the pool if it
+        holds it, else from the host or disk tier into a newly allocated pool block (a
+        synchronous copy, inside the scheduler step). Every block of the walk stays pinned
+        (referenced) until the walk ends, so loading never evicts the prefix it extends; the
+        loaded blocks end as ordinary cached blocks at the LRU tail."""
+        assert self.tiers is not None
+        pool = self.pool
+        for block in hit:
+            pool.touch(block)
+        try:
+            for h in hashes[len(hit) :]:
+                block = pool.lookup(h)
+                if block is not None:
+                    pool.touch(block)
+                    hit.append(block)
+                    continue
+                if pool.num_free == 0 or not self.tiers.contains(h):
+                    break
+                block = pool.allocate()  # may evict (and write down) the pool's LRU block
+                if self.tiers.load(h, block.block_id) is None:  # corrupt entry: a miss
+                    pool.free(block)
+                    break
+                pool.cache(block, h, hit[-1].block_id if hit else -1)
+                assert block.block_hash == h
+                hit.append(block)
+                seq.num_external_cached_tokens += self.block_size
+        finally:
+            for block in reversed(hit):  # the tail is freed first, so it is evicted first
+                pool.free(block)
+        return hit
+
+    def count_external(self, seq: Sequence, num_cached: int) -> None:
+        """At admission: tokens the lower tiers were asked for (those the pool lacked) and
+        tokens they served (vLLM's external_prefix_cache_queries / _hits)."""
+        if self.tiers is None or not self.enable_caching:
+            return
+        external = min(seq.num_external_cached_tokens, num_cached)
+        self.tiers.queries += seq.num_tokens - (num_cached - external)
+        self.tiers.hit_tokens += external
+        seq.num_external_cached_tokens = 0
+
+    def flush_pending_stores(self) -> None:
+        """Write-through: store the blocks filled by the step that just ran."""
+        pending, self.pending_stores = self.pending_stores, []
+        if self.tiers is None:
+            return
+        for block_id, h in pending:
+            if self.pool.blocks[block_id].block_hash == h:
+                self.tiers.store(h, block_id)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> int:
         """Free blocks that allocate() would consume, including revived cached ones."""
@@ -114,10 +182,14 @@ class KVCacheManager:
         if not self.enable_caching or first >= num_full:  # no block filled up this step
             return
         hashes = self.full_block_hashes(seq, num_full)
+        write_through = self.tiers is not None and self.tiers.write_through
         for i in range(first, num_full):
             h = hashes[i]
             parent = seq.block_table[i - 1] if i else -1
-            self.pool.cache(self.pool.blocks[seq.block_table[i]], h, parent)
+            block = self.pool.blocks[seq.block_table[i]]
+            self.pool.cache(block, h, parent)
+            if write_through and block.block_hash == h:
+                self.pending_stores.append((block.block_id, h))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for block_id in parent.block_table:

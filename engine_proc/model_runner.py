@@ -31,10 +31,22 @@ class ModelRunner:
         model: LlamaModel,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         backend: AttentionBackend,
+        kv_scales: torch.Tensor | None = None,  # int8 KV: [num_layers, 2, num_blocks, bs, heads]
+        kv_dtype: torch.dtype | None = None,  # int8 KV: the dtype attention reads it back in
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+        self.kv_scales = kv_scales
+        if kv_scales is None:
+            self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+        else:
+            from engine_proc.attention.kv_quant import QuantizedKV
+
+            assert kv_dtype is not None
+            self.kv_caches = [
+                tuple(QuantizedKV(kv_cache[i, j], kv_scales[i, j], kv_dtype) for j in (0, 1))
+                for i in range(kv_cache.shape[0])
+            ]  # type: ignore[misc]
         self.block_size = kv_cache.shape[3]
         self.backend = backend
         self.device = kv_cache.device
@@ -110,6 +122,8 @@ class ModelRunner:
             src = torch.tensor([c[0] for c in copies], device=self.device)
             dst = torch.tensor([c[1] for c in copies], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            if self.kv_scales is not None:
+                self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:

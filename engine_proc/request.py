@@ -35,6 +35,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at last admission
+    num_external_cached_tokens: int = 0  # of those, loaded from the host/disk tiers (pending)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, grown lazily
     finish_reason: str | None = None

@@ -111,6 +111,7 @@ class Scheduler:
                 batch.prefix_cache_queries += seq.num_tokens
                 batch.prefix_cache_hits += num_cached
             seq.num_cached_tokens = num_cached
+            self.kv.count_external(seq, num_cached)
             copies = self.kv.allocate(seq, n, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

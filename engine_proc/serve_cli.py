@@ -18,7 +18,13 @@ from typing import Any
 
 import zmq
 
-from engine_proc.config import SUPPORTED_DTYPES, add_kernel_arguments, kernel_options
+from engine_proc.config import (
+    SUPPORTED_DTYPES,
+    add_kernel_arguments,
+    add_kv_tier_arguments,
+    kernel_options,
+    kv_tier_options,
+)
 from engine_proc.server import EngineServer, ServerConfig
 from ipc import endpoints as E
 from ipc import protocol as P
@@ -51,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     add_kernel_arguments(g)
+    add_kv_tier_arguments(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # "module:callable"
     s = parser.add_argument_group("serving")
@@ -117,6 +124,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         seed=args.seed,
         num_threads=args.num_threads,
         **kernel_options(args),
+        **kv_tier_options(args),
     )
     for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk"):
         if getattr(args, name) is not None:
@@ -191,7 +199,14 @@ def run(args: argparse.Namespace) -> int:
         }
         print(f"{P.READY_PREFIX} {json.dumps(ready)}", flush=True)
         log.info("serving on %s (telemetry %s)", endpoint, pub_endpoint)
-        return server.serve_forever()
+        rc = server.serve_forever()
+        flush = getattr(engine, "flush_kv_tiers", None)
+        if flush is not None:  # the pool's cached prefixes go to disk before the process ends
+            try:
+                log.info("KV tiers: %d cached blocks written down", flush())
+            except Exception:  # never turn a clean stop into a crash
+                log.warning("KV tiers: flush at shutdown failed", exc_info=True)
+        return rc
     finally:
         for s, h in old.items():
             signal.signal(s, h)
