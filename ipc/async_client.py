@@ -96,8 +96,8 @@ class AsyncEngineClient:
         self.state = "connecting"  # connecting | ready | gone | closed
         self.gone_reason = ""
         self.welcome: P.Welcome | None = None
-        self.telemetry: P.Telemetry | None = None  # the newest snapshot
-        self.telemetry_gaps = 0  # snapshots lost (seq jumps) since connect
+        self._telemetry_raw: bytes | None = None  # the newest snapshot, decoded on demand
+        self._telemetry: P.Telemetry | None = None
         self.last_engine_message = time.monotonic()
         self._ctx = context or zmq.asyncio.Context.instance()
         self._streams: dict[str, AsyncRequestStream] = {}
@@ -307,18 +307,26 @@ class AsyncEngineClient:
             self.last_engine_message = time.monotonic()
             if len(frames) != 2:
                 continue
+            if frames[0] == P.TOPIC_TELEMETRY:
+                # Decoded only when someone reads it (a /metrics scrape): at 20 Hz the block
+                # arrays would cost the front-end CPU the engine could use.
+                self._telemetry_raw, self._telemetry = frames[1], None
+                self._feed_taps(frames[1])
+            elif frames[0] == P.TOPIC_GOODBYE:
+                self._mark_gone("engine shutting down")
+
+    @property
+    def telemetry(self) -> P.Telemetry | None:
+        """The newest telemetry snapshot (None before the first, or if it does not decode)."""
+        if self._telemetry is None and self._telemetry_raw is not None:
             try:
-                msg = P.decode_pub(frames[1])
+                msg = P.decode_pub(self._telemetry_raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("undecodable telemetry: %s", exc)
-                continue
-            if isinstance(msg, P.Telemetry):
-                if self.telemetry is not None and msg.seq > self.telemetry.seq + 1:
-                    self.telemetry_gaps += msg.seq - self.telemetry.seq - 1
-                self.telemetry = msg
-                self._feed_taps(frames[1])
-            elif isinstance(msg, P.Goodbye):
-                self._mark_gone(f"engine shutting down: {msg.reason}")
+                self._telemetry_raw = None
+                return None
+            self._telemetry = msg if isinstance(msg, P.Telemetry) else None
+        return self._telemetry
 
     def tap_telemetry(self, maxsize: int = 16) -> asyncio.Queue[bytes]:
         """A queue of every telemetry snapshot from now on, as the engine encoded it. A reader
