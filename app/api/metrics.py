@@ -36,6 +36,14 @@ _COUNTERS = {
     ),
     "request_prompt_tokens_total": ("prompt_tokens", "Prompt tokens of the requests received."),
     "generation_tokens_total": ("generation_tokens", "Tokens generated."),
+    "external_prefix_cache_queries": (
+        "external_prefix_cache_queries",
+        "Prompt tokens looked up in the host/disk KV tiers (after missing the pool).",
+    ),
+    "external_prefix_cache_hits": (
+        "external_prefix_cache_hits",
+        "Prompt tokens loaded from the host/disk KV tiers instead of recomputed.",
+    ),
     "prompt_tokens_total": (
         "prompt_tokens_computed",
         "Prompt tokens run through the model (prefix-cache hits excluded; recomputation included).",
@@ -135,6 +143,21 @@ class TelemetryCollector:
                           ("contiguous_equivalent", "contiguous_kv_bytes")):  # fmt: skip
             kv_bytes.add_metric([*values, kind], c.get(key, 0))
         yield kv_bytes
+        tiers = [t for t in ("host", "disk") if f"kv_{t}_blocks_total" in c]
+        if tiers:
+            tier_blocks = GaugeMetricFamily(
+                PREFIX + "kv_tier_blocks", "Blocks held by each KV tier below the pool.",
+                labels=[*labels, "tier"],
+            )  # fmt: skip
+            tier_hits = CounterMetricFamily(
+                PREFIX + "kv_tier_hits", "Blocks loaded from each KV tier.",
+                labels=[*labels, "tier"],
+            )  # fmt: skip
+            for t in tiers:
+                tier_blocks.add_metric([*values, t], c.get(f"kv_{t}_blocks", 0))
+                tier_hits.add_metric([*values, t], c.get(f"kv_{t}_hits", 0))
+            yield tier_blocks
+            yield tier_hits
 
     def _cache_config(self, tel: P.Telemetry) -> Metric:
         info = self.source.model_info

@@ -61,3 +61,28 @@ def test_rendered_metrics_parse_with_cumulative_buckets_and_vllm_names() -> None
 def test_nothing_before_the_first_snapshot() -> None:
     info = SimpleNamespace()
     assert render(SimpleNamespace(telemetry=None, model_info=info), "m") == b""
+
+
+def test_kv_tier_metrics_appear_only_with_tiers() -> None:
+    info = SimpleNamespace(block_size=16, num_blocks=4, dtype="float32", kv_bytes_per_token=8,
+                           device="cpu")  # fmt: skip
+    tel = _telemetry()
+    plain = _samples(render(SimpleNamespace(telemetry=tel, model_info=info), "m").decode())
+    assert not any(name.startswith("kvscope:kv_tier") for name, _ in plain)
+    tel.counters.update(
+        {
+            "kv_host_blocks_total": 8,
+            "kv_host_blocks": 3,
+            "kv_host_hits": 5,
+            "kv_disk_blocks_total": 100,
+            "kv_disk_blocks": 7,
+            "kv_disk_hits": 2,
+            "external_prefix_cache_queries": 64,
+            "external_prefix_cache_hits": 48,
+        }
+    )
+    s = _samples(render(SimpleNamespace(telemetry=tel, model_info=info), "m").decode())
+    e = (("engine", "0"),)
+    assert s[("kvscope:kv_tier_blocks", (*e, ("tier", "host")))] == 3
+    assert s[("kvscope:kv_tier_hits_total", (*e, ("tier", "disk")))] == 2
+    assert s[("kvscope:external_prefix_cache_hits_total", e)] == 48
