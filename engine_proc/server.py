@@ -255,7 +255,7 @@ class EngineServer:
         try:
             msg = P.decode_client(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            err = P.classify_decode_error(exc)
+            err = P.classify_decode_error(exc, frames[1])
             rid, ctl = ids_of_undecodable(frames[1])
             self._send_error(cid, err.code, err.message, request_id=rid, control_id=ctl)
             return
@@ -478,6 +478,7 @@ class EngineServer:
         )
 
     def _dispatch(self, outputs: list[Any]) -> None:
+        partly_finished: dict[str, Any] = {}
         for out in outputs:
             fl = self._inflight.get(out.request_id)
             if fl is None:
@@ -489,10 +490,15 @@ class EngineServer:
                 fl.finished.add(out.index)
                 if len(fl.finished) >= fl.n:
                     self._forget(out.request_id)
-                elif not self._engine_knows(out.request_id):
-                    # The request ended before it forked into n sequences (an error, an abort
-                    # or a stop during prefill): finish the sequences that never started.
-                    self._finish_missing(out.request_id, out.finish_reason, out.error)
+                    partly_finished.pop(out.request_id, None)
+                else:
+                    partly_finished[out.request_id] = out
+        # Only once the whole step is sent (its other sequences may finish later in `outputs`):
+        # a request the engine no longer knows ended before it forked into n sequences (an
+        # error, an abort or a stop during prefill): finish the sequences that never started.
+        for rid, out in partly_finished.items():
+            if not self._engine_knows(rid):
+                self._finish_missing(rid, out.finish_reason, out.error)
 
     def _forget(self, rid: str) -> None:
         fl = self._inflight.pop(rid, None)

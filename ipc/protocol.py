@@ -494,9 +494,22 @@ class ProtocolError(Exception):
         self.message = message
 
 
-def classify_decode_error(exc: Exception) -> ProtocolError:
-    """Map a msgspec decode failure to an error code and a message naming the field."""
+def classify_decode_error(exc: Exception, data: bytes | None = None) -> ProtocolError:
+    """Map a failure to decode the client frame `data` to its code in docs/PROTOCOL.md, with a
+    message naming the field: `bad_message` when the frame is not one MessagePack value (msgspec's
+    typed decoder may stop at a wrong type before it sees the garbage behind it), `unknown_kind`
+    when it is a map without a string `kind` naming a client message, else `invalid_message`.
+    Without `data` the code is inferred from msgspec's text alone."""
     text = str(exc)
+    if data is not None:
+        try:
+            obj = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError as raw:
+            return ProtocolError(ERR_BAD_MESSAGE, f"not a MessagePack message: {raw}")
+        if isinstance(obj, dict) and obj.get("kind") not in CLIENT_KINDS:
+            got = repr(obj.get("kind"))[:80]
+            return ProtocolError(ERR_UNKNOWN_KIND, f"kind must be one of {CLIENT_KINDS}, got {got}")
+        return ProtocolError(ERR_INVALID_MESSAGE, text)
     if isinstance(exc, msgspec.ValidationError):
         if "`$.kind`" in text or "missing required field `kind`" in text:
             return ProtocolError(ERR_UNKNOWN_KIND, f"{text}; kind must be one of {CLIENT_KINDS}")

@@ -57,6 +57,18 @@ def hf_greedy(hf_default_model):
     return greedy_reference(hf_default_model)
 
 
+@pytest.fixture(scope="session")
+def parity_references(default_engine_factory, hf_greedy):
+    """tests/test_hf_parity.py's prompts as token ids, with transformers' greedy replies to them
+    (PARITY_TOKENS tokens at most, ending at EOS): computed once, for every test comparing the
+    default model's replies with the dense reference."""
+    from tests.test_hf_parity import PARITY_TOKENS, PROMPTS
+
+    engine = default_engine_factory(dtype="float32")
+    ids = [engine.tokenize(p) for p in PROMPTS]
+    return ids, [hf_greedy(i, PARITY_TOKENS) for i in ids]
+
+
 @pytest.fixture(params=[False, True], ids=["emulated-bf16", "native-bf16"])
 def native_bf16(request, monkeypatch):
     """Both bf16 arithmetics of the model on any CPU: engines built in the test see this value

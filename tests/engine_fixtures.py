@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine_proc import EngineConfig, LLMEngine
+from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.models.config import ModelConfig
 
 
@@ -96,5 +96,27 @@ def greedy_reference(model) -> Callable[[list[int], int], list[int]]:
             pad_token_id=2,
         )
         return out[0, len(prompt_ids) :].tolist()
+
+    return run
+
+
+def sampled_reference(model) -> Callable[[list[int], SamplingParams, int], list[int]]:
+    """One sequence, one token at a time: transformers' logits of the whole sequence, each
+    draw made by the sampler at (seed, output position), the contract engine_proc/sampler.py
+    documents (the sampler itself is checked against brute force in tests/test_sampler.py).
+    What a request must produce however the engine batches, chunks or preempts it; greedy
+    params give transformers' greedy tokens. Stops at EOS (id 2) unless ignore_eos."""
+    from engine_proc.sampler import sample
+
+    def run(prompt_ids: list[int], params: SamplingParams, seed: int) -> list[int]:
+        out: list[int] = []
+        with torch.no_grad():  # the whole sequence each step: no cache to get wrong
+            while len(out) < params.max_tokens:
+                ids = torch.tensor([prompt_ids + out])
+                logits = model(ids, logits_to_keep=1).logits[:, -1].float()
+                out.append(sample(logits, [params], [seed], [len(out)])[0])
+                if out[-1] == 2 and not params.ignore_eos:
+                    break
+        return out
 
     return run

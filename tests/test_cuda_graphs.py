@@ -7,11 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine_proc import SamplingParams
+from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.attention.base import AttentionMetadata
-from engine_proc.attention.triton_backend import is_triton_usable
 from engine_proc.cuda_graphs import EagerReplayGraph, graph_batch_sizes
-from tests.engine_fixtures import greedy_reference, tiny_engine, tiny_hf_model
+from tests.engine_fixtures import greedy_reference, tiny_engine
+from tests.needs import interpreted_triton
+from tests.tiny_models import hf_reference_model, tiny_model_dir
 
 
 def test_batch_sizes_are_bucketed_up_to_the_limit():
@@ -36,18 +37,35 @@ def test_eager_cpu_engine_has_no_graphs():
 
 
 def _triton_engine(**config):
-    if not is_triton_usable("cpu"):
-        pytest.skip("triton cannot run on the CPU here (set TRITON_INTERPRET=1)")
+    interpreted_triton()
     return tiny_engine(attention_backend="triton", device="cpu", **config)
 
 
+def _llama_dir():
+    """tests/tiny_models.py's Llama: attention far from uniform, so a wrong kernel, padding row or
+    stale buffer changes its greedy tokens (tiny_engine's model barely depends on attention)."""
+    return tiny_model_dir(
+        "llama", num_heads=4, num_kv_heads=2, num_layers=2, max_position_embeddings=1024
+    )
+
+
+def _llama_engine(**config) -> LLMEngine:
+    config.setdefault("num_kv_blocks", 64)
+    return LLMEngine(EngineConfig(model=str(_llama_dir()), attention_backend="triton", **config))
+
+
+PROMPTS = [list(range(500, 521)), list(range(4000, 4007)), [3001] * 18, list(range(9000, 9004))]
+
+
+@pytest.mark.slow
 def test_graph_replayed_decode_matches_transformers_greedy():
-    engine = _triton_engine(block_size=16, max_num_seqs=4)
+    interpreted_triton()
+    engine = _llama_engine(device="cpu", block_size=16, max_num_seqs=4)
     engine.runner.enable_decode_graphs(4, 256, make_graph=EagerReplayGraph)
     assert sorted(engine.runner.decode_graphs.graphs) == [1, 2, 4]
     # Different lengths and budgets: the decode batch shrinks 4 -> 3 -> 2 -> 1, so buckets 4
     # (padded from 3) and 2 and 1 all replay, with stale rows from the larger batches.
-    prompts = [list(range(5, 26)), list(range(40, 47)), [3] * 18, list(range(60, 64))]
+    prompts = PROMPTS
     budgets = [3, 5, 7, 9]
     for prompt, n in zip(prompts, budgets, strict=True):
         engine.add_request(
@@ -59,7 +77,7 @@ def test_graph_replayed_decode_matches_transformers_greedy():
             if out.finished:
                 done[out.request_id] = out.token_ids
     assert engine.runner.num_graph_steps >= 6  # every decode step after the prompts
-    reference = greedy_reference(tiny_hf_model())
+    reference = greedy_reference(hf_reference_model(_llama_dir()))
     for prompt, n in zip(prompts, budgets, strict=True):
         assert done[f"r{n}"] == reference(prompt, n), n
     assert engine.kv.pool.num_free == engine.num_blocks
@@ -124,13 +142,16 @@ def test_prefill_and_oversized_steps_stay_eager():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_engine_captures_graphs_and_matches_eager():
+def test_cuda_engine_captures_graphs_and_matches_transformers_greedy():
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompts = [list(range(5, 26)), list(range(40, 47)), [3] * 18]
-    graphs = tiny_engine(device="cuda", attention_backend="triton", max_num_seqs=8)
+    prompts = PROMPTS[:3]
+    reference = greedy_reference(hf_reference_model(_llama_dir()))  # transformers on the CPU
+    expected = [reference(p, 12) for p in prompts]
+    graphs = _llama_engine(device="cuda", max_num_seqs=8)
     assert graphs.model_info()["cuda_graph_sizes"] == [1, 2, 4, 8]
-    eager = tiny_engine(device="cuda", attention_backend="triton", cuda_graphs=False)
-    assert eager.runner.decode_graphs is None
     ours = [o.token_ids for o in graphs.generate(prompts, params)]
     assert graphs.runner.num_graph_steps > 0
-    assert ours == [o.token_ids for o in eager.generate(prompts, params)]
+    assert ours == expected
+    eager = _llama_engine(device="cuda", cuda_graphs=False)
+    assert eager.runner.decode_graphs is None
+    assert [o.token_ids for o in eager.generate(prompts, params)] == expected

@@ -9,7 +9,7 @@ import pytest
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.telemetry_types import BLOCK_CACHED, BLOCK_IN_USE
-from tests.engine_fixtures import greedy_reference
+from tests.engine_fixtures import greedy_reference, sampled_reference
 from tests.tiny_models import hf_reference_model, tiny_model_dir
 
 
@@ -30,8 +30,18 @@ def default_engine_factory(tiny_path):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(tiny_path):
-    return greedy_reference(hf_reference_model(tiny_path))
+def hf_model(tiny_path):
+    return hf_reference_model(tiny_path)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model):
+    return greedy_reference(hf_model)
+
+
+@pytest.fixture(scope="module")
+def hf_sampled(hf_model):
+    return sampled_reference(hf_model)
 
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -130,14 +140,18 @@ def test_prefix_caching_on_and_off_agree_and_hits_match_a_recount(
 
 
 @pytest.mark.slow
-def test_chunk_sizes_give_identical_outputs_and_mix_chunks_with_decodes(default_engine_factory):
+def test_chunk_sizes_give_transformers_outputs_and_mix_chunks_with_decodes(
+    default_engine_factory, hf_greedy
+):
     chats = workload()[:6]
-    results = {}
+    expected = None
     for chunk in (1, 7, 16, 64, 0):
         engine = default_engine_factory(
             long_prefill_chunk=chunk, max_num_batched_tokens=96, enable_prefix_caching=False
         )
         prompts = [engine.tokenize(c) for c in chats]
+        if expected is None:
+            expected = [hf_greedy(p, GREEDY.max_tokens) for p in prompts]
         # Staggered arrivals: later prompts are chunked while earlier ones decode.
         for i in range(2):
             engine.add_request(f"r{i}", prompts[i], GREEDY)
@@ -150,23 +164,30 @@ def test_chunk_sizes_give_identical_outputs_and_mix_chunks_with_decodes(default_
                 if out.finished:
                     outs[out.request_id] = out.token_ids
             step += 1
-        results[chunk] = [outs[f"r{i}"] for i in range(6)]
+        assert [outs[f"r{i}"] for i in range(6)] == expected, f"chunk {chunk}"
         if chunk in (1, 7, 16):
             mixed = [s for s in engine.stats.steps if s.num_prefill_tokens and s.num_decode_tokens]
             assert mixed, f"no step mixed prompt chunks and decodes at chunk {chunk}"
             assert max(s.num_prefill_tokens for s in engine.stats.steps) <= 6 * chunk
-    assert all(r == results[0] for r in results.values())
 
 
 @pytest.mark.slow
-def test_tiny_pool_preempts_and_still_gives_the_same_outputs(default_engine_factory):
+def test_tiny_pool_preempts_and_still_gives_the_reference_outputs(
+    default_engine_factory, hf_sampled
+):
     chats = workload()[:6]
-    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
-    runs = {}
+    seed = 1234
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=seed)
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    params = [greedy, sampled] * 3
+    expected = None
     for blocks in (512, 14):
         engine = default_engine_factory(num_kv_blocks=blocks, max_num_seqs=6)
         prompts = [engine.tokenize(c) for c in chats]
-        params = [SamplingParams(max_tokens=24, temperature=0), sampled] * 3
+        if expected is None:
+            # transformers' logits, drawn at (seed, output position): what each request must
+            # give whether or not it was preempted and recomputed.
+            expected = [hf_sampled(p, sp, seed) for p, sp in zip(prompts, params, strict=True)]
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(f"r{i}", p, sp)
         outs = {}
@@ -174,17 +195,17 @@ def test_tiny_pool_preempts_and_still_gives_the_same_outputs(default_engine_fact
             for out in engine.step():
                 if out.finished:
                     outs[out.request_id] = out.token_ids
-        runs[blocks] = ([outs[f"r{i}"] for i in range(6)], engine.stats.num_preemptions)
         assert engine.kv.pool.num_free == blocks
-    assert runs[14][1] > 0 and runs[512][1] == 0
-    assert runs[14][0] == runs[512][0]
+        assert (engine.stats.num_preemptions > 0) == (blocks == 14)
+        assert [outs[f"r{i}"] for i in range(6)] == expected, f"{blocks} blocks"
 
 
-def test_same_seed_same_tokens_whatever_shares_the_batch(default_engine_factory):
+def test_same_seed_same_tokens_whatever_shares_the_batch(default_engine_factory, hf_sampled):
     engine = default_engine_factory()
     chat = [{"role": "user", "content": "Invent a name for a cat."}]
     params = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, seed=99)
     (alone,) = engine.generate([chat], params)
+    assert alone.token_ids == hf_sampled(engine.tokenize(chat), params, 99)
     crowd = [[{"role": "user", "content": q}] for q in QUESTIONS[:5]]
     outs = engine.generate(
         crowd[:2] + [chat] + crowd[2:],
@@ -199,7 +220,7 @@ def test_same_seed_same_tokens_whatever_shares_the_batch(default_engine_factory)
     assert other_seed.token_ids != alone.token_ids
 
 
-def test_parallel_sampling_shares_prompt_blocks(default_engine_factory):
+def test_parallel_sampling_shares_prompt_blocks(default_engine_factory, hf_sampled):
     engine = default_engine_factory(block_size=16)
     chat = [{"role": "user", "content": "Write a short poem about rain."}]
     prompt = engine.tokenize(chat)
@@ -220,8 +241,8 @@ def test_parallel_sampling_shares_prompt_blocks(default_engine_factory):
             if out.finished:
                 outs[out.index] = out.token_ids
     assert sorted(outs) == [0, 1, 2]
-    (single,) = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=5))
-    assert outs[0] == single.token_ids  # sequence 0 draws from the request's own seed
+    # Sequence 0 draws from the request's own seed, as a lone request would.
+    assert outs[0] == hf_sampled(prompt, SamplingParams(max_tokens=10, temperature=1.0), 5)
     assert len({tuple(t) for t in outs.values()}) > 1
     assert engine.kv.pool.num_free == engine.num_blocks
 

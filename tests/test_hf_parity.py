@@ -29,17 +29,19 @@ PROMPTS = [
 ]
 
 
+PARITY_TOKENS = 48
+
+
 @pytest.mark.slow
-def test_greedy_completions_equal_transformers_generate(default_engine_factory, hf_greedy):
+def test_greedy_completions_equal_transformers_generate(default_engine_factory, parity_references):
     engine = default_engine_factory(dtype="float32")
-    prompt_ids = [engine.tokenize(p) for p in PROMPTS]
+    prompt_ids, refs = parity_references  # transformers' generate() on each prompt
     lengths = [len(p) for p in prompt_ids]
     assert min(lengths) <= 20 and 300 <= max(lengths) <= 400, lengths
-    params = SamplingParams(max_tokens=48, temperature=0)
+    params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0)
     outputs = engine.generate(PROMPTS, params)  # all in one call: batched forward passes
 
-    for ids, out in zip(prompt_ids, outputs, strict=True):
-        ref = hf_greedy(ids, 48)
+    for ids, out, ref in zip(prompt_ids, outputs, refs, strict=True):
         assert out.token_ids == ref, engine.tokenizer.decode(ids)
         assert out.finish_reason == ("stop" if ref[-1] == 2 else "length")
     assert engine.kv.pool.num_free == engine.num_blocks

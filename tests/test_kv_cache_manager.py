@@ -1,9 +1,18 @@
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.kv_cache_manager import KVCacheManager, block_hash, root_hash
 from engine_proc.outputs import RequestMetrics
 from engine_proc.request import Sequence
 from engine_proc.sampling_params import SamplingParams
 from tests.engine_fixtures import CharTokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_seq(tokens: list[int], salt: str | None = None) -> Sequence:
@@ -29,9 +38,38 @@ def run_prompt(kv: KVCacheManager, seq: Sequence) -> int:
     return len(cached) * kv.block_size
 
 
-def test_hash_is_stable_and_chained():
+# sha256 digests computed once and pinned: a change of the hash (its input layout, the seed
+# text, the salt tagging) invalidates every stored prefix and must be deliberate.
+GOLDEN = {
+    "root": "ffd9069a807600d6e554969955eca1b74fd58b053386d86413c95363ebae42eb",
+    "block": "afdddafa40a8146305411e7669aa4fd0c2cec7ac80f2568f0c34e9a297426f39",
+    "salted": "c4676b4287260e1aa70a276dee655f9cc0ea077f06138e67fde1c629330c59f6",
+}
+DIGESTS = (
+    "from engine_proc.kv_cache_manager import block_hash, root_hash\n"
+    "r = root_hash('m', None)\n"
+    "print(r.hex(), block_hash(r, [1, 2, 3]).hex(), root_hash('m', 'alice').hex())\n"
+)
+
+
+def test_hash_is_a_pinned_digest_in_every_process():
+    # Independent of the code: the documented layout (seed text, model id; token ids as
+    # little-endian int32 after the parent digest).
+    root = hashlib.sha256(b"kvscope-prefix-v1\0model\0m").digest()
+    assert root.hex() == GOLDEN["root"]
+    assert hashlib.sha256(root + struct.pack("<3i", 1, 2, 3)).hexdigest() == GOLDEN["block"]
+    # Other interpreters with different string-hash seeds give the same digests.
+    for seed in ("0", "1", "4242"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
+        out = subprocess.run(
+            [sys.executable, "-c", DIGESTS], env=env, cwd=REPO, capture_output=True, text=True,
+            timeout=120, check=True,
+        ).stdout.split()  # fmt: skip
+        assert out == [GOLDEN["root"], GOLDEN["block"], GOLDEN["salted"]], seed
+
+
+def test_hash_is_chained_and_typed():
     r = root_hash("m", None)
-    assert block_hash(r, [1, 2, 3]) == block_hash(root_hash("m", None), [1, 2, 3])
     assert block_hash(r, [1, 2, 3]) != block_hash(block_hash(r, [0]), [1, 2, 3])
     # Typed extra keys: a salt never collides with a model name.
     assert root_hash("m", "x") != root_hash("mx", None) != root_hash("m", "")

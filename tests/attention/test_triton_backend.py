@@ -1,37 +1,22 @@
 """Triton attention backend against a brute-force float64 reference.
 
 Without a GPU the kernels run through Triton's interpreter on CPU, which must be switched on
-before the backend module is imported (Triton picks compiled vs interpreted at decoration time).
+before the backend module is imported (Triton picks compiled vs interpreted at decoration time):
+tests/conftest.py does. Without triton (a declared test dependency) the module fails on Linux.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from engine_proc.attention import torch_ref, triton_backend
+from engine_proc.attention.base import AttentionMetadata
+from engine_proc.attention.triton_backend import TritonAttentionBackend, is_triton_usable
+from tests.needs import triton_device
 
-pytest.importorskip("triton")
-
-from engine_proc.attention import triton_backend  # noqa: E402
-from engine_proc.attention.base import AttentionMetadata  # noqa: E402
-from engine_proc.attention.triton_backend import (  # noqa: E402
-    TritonAttentionBackend,
-    is_triton_usable,
-)
-
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-
-if not is_triton_usable(DEVICE):
-    pytest.skip(
-        "triton backend unusable here: without CUDA, TRITON_INTERPRET=1 must be set before "
-        "engine_proc.attention.triton_backend is first imported",
-        allow_module_level=True,
-    )
+DEVICE = torch.device(triton_device())  # fails on Linux without triton (a test dependency)
+HAS_CUDA = DEVICE.type == "cuda"
 
 # Output tolerance per dtype: fp32 is ieee on both paths; fp16/bf16 round the softmax weights
 # to the input dtype before P @ V (as every flash-style kernel does).
@@ -295,9 +280,6 @@ def test_bad_input_raises_value_error():
 
 
 def test_matches_torch_reference_backend():
-    torch_ref = pytest.importorskip(
-        "engine_proc.attention.torch_ref", reason="torch reference backend not written yet"
-    )
     query, k_cache, v_cache, meta = make_batch(
         MIXED, block_size=16, num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.float32
     )

@@ -1,23 +1,35 @@
-"""End to end: a tiny random Llama generates the same greedy tokens with the Triton kernels
-(interpreted on CPU, native on CUDA) as with the torch reference backend."""
+"""End to end: a tiny random Llama generates transformers' greedy tokens with the Triton kernels
+(interpreted on CPU, native on CUDA), chunked prompts and mixed prefill/decode steps included.
+The model is tests/tiny_models.py's, whose attention is far from uniform: a wrong kernel changes
+its tokens."""
 
 import pytest
 
-from engine_proc import SamplingParams
-from engine_proc.attention.triton_backend import is_triton_usable
-from tests.engine_fixtures import tiny_engine
+from engine_proc import EngineConfig, LLMEngine, SamplingParams
+from tests.engine_fixtures import greedy_reference
+from tests.needs import triton_device
+from tests.tiny_models import hf_reference_model, tiny_model_dir
 
 
 @pytest.mark.slow
-def test_triton_backend_generates_the_same_greedy_tokens_as_torch():
-    engine_torch = tiny_engine(attention_backend="torch", block_size=16, long_prefill_chunk=9)
-    device = engine_torch.device
-    if not is_triton_usable(device):
-        pytest.skip(f"triton cannot run on {device} here (set TRITON_INTERPRET=1 on CPU)")
-    engine_triton = tiny_engine(attention_backend="triton", block_size=16, long_prefill_chunk=9)
-    assert engine_triton.backend.name == "triton"
-    prompts = [list(range(5, 26)), list(range(40, 47)), [3] * 18]
+def test_triton_backend_generates_transformers_greedy_tokens():
+    device = triton_device()
+    path = tiny_model_dir(
+        "llama", num_heads=4, num_kv_heads=2, num_layers=2, max_position_embeddings=1024
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            attention_backend="triton",
+            device=device,
+            num_kv_blocks=64,
+            block_size=16,
+            long_prefill_chunk=9,
+        )
+    )
+    assert engine.backend.name == "triton"
+    prompts = [list(range(500, 521)), list(range(4000, 4007)), [3001] * 18]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    ours = [o.token_ids for o in engine_triton.generate(prompts, params)]
-    ref = [o.token_ids for o in engine_torch.generate(prompts, params)]
-    assert ours == ref
+    ours = [o.token_ids for o in engine.generate(prompts, params)]
+    reference = greedy_reference(hf_reference_model(path))
+    assert ours == [reference(p, 6) for p in prompts]

@@ -45,3 +45,11 @@ def paced_tiny(args: argparse.Namespace) -> LLMEngine:
 
     engine.step = paced_step  # type: ignore[method-assign]
     return engine
+
+
+def fake(args: argparse.Namespace) -> object:
+    """tests/ipc/fake_engine.py's torch-free engine (one "x" per request per step, each step at
+    least 5 ms): an engine process that starts in a fraction of a second."""
+    from tests.ipc.fake_engine import FakeEngine
+
+    return FakeEngine(num_blocks=args.num_blocks or 64, step_sleep=0.005)

@@ -82,9 +82,13 @@ class EngineProc:
         return self.proc.returncode
 
 
-def raw_dealer(endpoint: str, ctx: zmq.Context | None = None) -> zmq.Socket:
+def raw_dealer(
+    endpoint: str, ctx: zmq.Context | None = None, routing_id: bytes | None = None
+) -> zmq.Socket:
     s = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    if routing_id is not None:
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
     s.connect(endpoint)
     return s
 
@@ -103,6 +107,27 @@ def wait_telemetry(sub: Any, predicate: Any, timeout: float = 10.0) -> P.Telemet
         if isinstance(msg, P.Telemetry) and predicate(msg):
             return msg
     raise TimeoutError("no matching telemetry snapshot")
+
+
+DOC_CLIENT_KINDS = ("hello", "generate", "tokenize", "detokenize", "abort", "control",
+                    "heartbeat", "goodbye")  # fmt: skip
+
+
+def documented_error_code(frame: bytes) -> str:
+    """The `error` code docs/PROTOCOL.md (section 4.2's table) gives a client frame that is not a
+    valid message, judged with a generic MessagePack decoder rather than ipc.protocol:
+    bad_message when it is not one MessagePack value, unknown_kind when it is a map whose `kind`
+    is missing, not a string or not a client kind, invalid_message for anything else (a
+    non-map, a wrong type, a missing or unknown field, a broken cross-field rule)."""
+    try:
+        obj = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return "bad_message"
+    if isinstance(obj, dict):
+        kind = obj.get("kind")
+        if not isinstance(kind, str) or kind not in DOC_CLIENT_KINDS:
+            return "unknown_kind"
+    return "invalid_message"
 
 
 def is_msgpack_map(frame: bytes) -> bool:

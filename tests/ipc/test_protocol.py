@@ -6,9 +6,11 @@ import ast
 import dataclasses
 import os
 import pickle
+import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import msgspec
 import numpy as np
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from engine_proc.sampling_params import SamplingParams
 from ipc import endpoints as E
 from ipc import protocol as P
+from tests.ipc.helpers import DOC_CLIENT_KINDS, documented_error_code
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,22 +72,182 @@ def _examples() -> list[msgspec.Struct]:
     ]
 
 
-@pytest.mark.parametrize("msg", _examples(), ids=lambda m: type(m).__name__)
-def test_roundtrip_and_wire_is_msgpack_map(msg: msgspec.Struct) -> None:
+# ------------------------------------------------------------ the wire as docs/PROTOCOL.md says
+
+# Field names per message kind and nested struct, copied from docs/PROTOCOL.md section 4 (not
+# from ipc/protocol.py): a renamed, added or dropped wire field breaks every other client.
+_TOKEN = {"token"}
+DOC_CLIENT_FIELDS = {
+    "hello": _TOKEN | {"protocol_version", "client_name"},
+    "generate": _TOKEN | {"request_id", "prompt", "messages", "sampling", "cache_salt"},
+    "tokenize": _TOKEN
+    | {"request_id", "prompt", "messages", "add_special_tokens", "add_generation_prompt"},
+    "detokenize": _TOKEN | {"request_id", "token_ids"},
+    "abort": _TOKEN | {"request_id"},
+    "control": _TOKEN
+    | {"op", "control_id", "max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk",
+       "enable_prefix_caching"},
+    "heartbeat": _TOKEN | {"time", "paused"},  # one struct both ways; paused: engine -> client
+    "goodbye": _TOKEN | {"reason"},
+}  # fmt: skip
+DOC_ENGINE_FIELDS = {
+    "welcome": {"protocol_version", "client_id", "model", "config", "pub_endpoint",
+                "telemetry_hz", "heartbeat_interval", "client_timeout", "max_message_bytes",
+                "server_time"},
+    "delta": {"request_id", "index", "token_ids", "text", "token_times", "time", "logprobs"},
+    "tokenized": {"request_id", "token_ids", "text", "max_model_len"},
+    "finish": {"request_id", "index", "reason", "usage", "ttft", "tpot", "e2e", "queue_time",
+               "error"},
+    "control_ack": {"control_id", "op", "config", "time", "result"},
+    "error": {"code", "message", "request_id", "control_id"},
+    "heartbeat": _TOKEN | {"time", "paused"},
+    "goodbye": _TOKEN | {"reason"},
+}  # fmt: skip
+DOC_PUB_FIELDS = {
+    "telemetry": {"seq", "time", "counters", "config", "blocks", "requests", "token_events",
+                  "steps", "num_clients", "histograms", "finished_reasons"},
+    "heartbeat": _TOKEN | {"time", "paused"},
+    "goodbye": _TOKEN | {"reason"},
+}  # fmt: skip
+DOC_NESTED_FIELDS = {
+    P.SamplingOptions: {"max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop",
+                        "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                        "repetition_penalty", "logit_bias", "logprobs"},
+    P.ChatMessage: {"role", "content"},
+    P.ModelInfo: {"name", "architecture", "num_layers", "num_kv_heads", "head_dim", "dtype",
+                  "device", "block_size", "num_blocks", "kv_bytes_per_token", "max_model_len",
+                  "model_id", "num_heads", "vocab_size", "attention_backend", "kv_pool_bytes",
+                  "decode_weights", "cuda_graph_sizes"},
+    P.LiveConfig: {"max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk",
+                   "enable_prefix_caching", "paused"},
+    P.Usage: {"prompt_tokens", "cached_tokens", "completion_tokens"},
+    P.TokenLogprobs: {"token_id", "token", "logprob", "top"},
+    P.BlockArrays: {"num_blocks", "state", "ref_count", "filled", "short_hash", "parent",
+                    "dtypes"},
+    P.RequestState: {"request_id", "status", "block_table", "num_prompt_tokens",
+                     "num_cached_tokens", "num_computed_tokens", "num_generated_tokens",
+                     "arrival_time", "first_scheduled_time", "first_token_time", "origin"},
+    P.TokenEvent: {"request_id", "index", "time"},
+    P.StepStats: {"time", "duration", "num_prefill_tokens", "num_decode_tokens", "num_running",
+                  "num_waiting"},
+    P.Histogram: {"bounds", "counts", "sum"},
+}  # fmt: skip
+DOC_ERROR_CODES = {
+    "bad_message", "unknown_kind", "invalid_message", "unauthorized", "version_mismatch",
+    "invalid_request", "duplicate_request_id", "unknown_request", "invalid_control",
+    "overloaded", "shutting_down", "internal_error",
+}  # fmt: skip
+# SamplingOptions defaults from the table in section 4.1.
+DOC_SAMPLING_DEFAULTS = dict(
+    max_tokens=256, temperature=1.0, top_k=0, top_p=1.0, seed=None, n=1, stop=[],
+    stop_token_ids=[], ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0,
+    repetition_penalty=1.0, logit_bias={}, logprobs=None,
+)  # fmt: skip
+
+
+def _wire_fields(struct: type) -> set[str]:
+    return {f.encode_name for f in msgspec.structs.fields(struct)}
+
+
+def _kinds(union: object) -> dict[str, type]:
+    return {t.__struct_config__.tag: t for t in get_args(union)}
+
+
+@pytest.mark.parametrize(
+    ("union", "doc"),
+    [
+        (P.ClientMessage, DOC_CLIENT_FIELDS),
+        (P.EngineMessage, DOC_ENGINE_FIELDS),
+        (P.PubMessage, DOC_PUB_FIELDS),
+    ],
+    ids=["client", "engine", "pub"],
+)
+def test_message_kinds_and_fields_are_the_documented_ones(union, doc) -> None:
+    kinds = _kinds(union)
+    assert set(kinds) == set(doc)
+    for kind, cls in kinds.items():
+        assert cls.__struct_config__.tag_field == "kind"
+        assert _wire_fields(cls) == doc[kind], kind
+
+
+def test_nested_structs_error_codes_and_defaults_are_the_documented_ones() -> None:
+    for cls, fields in DOC_NESTED_FIELDS.items():
+        assert _wire_fields(cls) == fields, cls.__name__
+    assert set(P.ERROR_CODES) == DOC_ERROR_CODES
+    assert msgspec.structs.asdict(P.SamplingOptions()) == DOC_SAMPLING_DEFAULTS
+    # TopLogprob travels as a 3-element array [token_id, token, logprob].
+    assert msgspec.msgpack.decode(P.encode(P.TopLogprob(token_id=5, token="a", logprob=-0.5))) == [
+        5, "a", -0.5,
+    ]  # fmt: skip
+
+
+def _expected_maps() -> list[dict]:
+    """_examples() as docs/PROTOCOL.md lays them out: MessagePack maps (fields holding their
+    default may be omitted, and are), blocks as raw little-endian bytes."""
+    cfg = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "long_prefill_chunk": 0,
+           "enable_prefix_caching": True}  # fmt: skip
+    blocks = {
+        "num_blocks": 3,
+        "state": bytes([0, 1, 2]),
+        "ref_count": struct.pack("<3i", 0, 0, 3),
+        "filled": struct.pack("<3i", 0, 16, 5),
+        "short_hash": struct.pack("<3I", 0, 2**32 - 1, 7),
+        "parent": struct.pack("<3i", -1, -1, 1),
+        "dtypes": {"state": "|u1", "ref_count": "<i4", "filled": "<i4", "short_hash": "<u4",
+                   "parent": "<i4"},
+    }  # fmt: skip
+    return [
+        {"kind": "hello", "protocol_version": 1, "client_name": "t", "token": "secret"},
+        {"kind": "generate", "request_id": "r1", "prompt": "hi", "sampling": {"temperature": 0.0}},
+        {"kind": "generate", "request_id": "r2", "prompt": [1, 2, 3], "sampling": {},
+         "cache_salt": "s"},
+        {"kind": "generate", "request_id": "r3", "messages": [{"role": "user", "content": "hi"}],
+         "sampling": {}},
+        {"kind": "abort", "request_id": "r1"},
+        {"kind": "control", "op": "set_limits", "control_id": "c", "max_num_seqs": 2},
+        {"kind": "control", "op": "set_prefix_caching", "enable_prefix_caching": False},
+        {"kind": "heartbeat", "time": 1.5},
+        {"kind": "goodbye", "reason": "bye"},
+        {"kind": "delta", "request_id": "r", "index": 0, "token_ids": [5], "text": "a",
+         "token_times": [1.0], "time": 1.0},
+        {"kind": "finish", "request_id": "r", "index": 0, "reason": "stop",
+         "usage": {"prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 1},
+         "ttft": 0.1},
+        {"kind": "control_ack", "control_id": "c", "op": "pause", "config": cfg, "time": 1.0},
+        {"kind": "error", "code": "invalid_request", "message": "m", "request_id": "r"},
+        {"kind": "telemetry", "seq": 1, "time": 2.0, "counters": {"a": 1.0}, "config": cfg,
+         "blocks": blocks, "requests": [],
+         "token_events": [{"request_id": "r", "index": 0, "time": 1.0}]},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("msg", "expected"),
+    list(zip(_examples(), _expected_maps(), strict=True)),
+    ids=[type(m).__name__ for m in _examples()],
+)
+def test_wire_map_is_the_documented_one_and_decodes_back(
+    msg: msgspec.Struct, expected: dict
+) -> None:
     data = P.encode(msg)
-    # Independent reference: a generic MessagePack decoder sees a plain map with the kind tag.
-    obj = msgspec.msgpack.decode(data)
-    assert isinstance(obj, dict) and obj["kind"] == msg.__struct_config__.tag
+    # Independent reference: a generic MessagePack decoder sees exactly the documented map.
+    assert msgspec.msgpack.decode(data) == expected
     assert data[0] != pickle.PROTO[0]  # pickle (protocol >= 2) starts with its PROTO opcode
-    decoders = []
-    if isinstance(msg, P.Hello | P.Generate | P.Abort | P.Control | P.Heartbeat | P.Goodbye):
-        decoders.append(P.decode_client)
-    if isinstance(msg, P.Delta | P.Finish | P.ControlAck | P.Error | P.Heartbeat | P.Goodbye):
-        decoders.append(P.decode_engine)
-    if isinstance(msg, P.Telemetry | P.Heartbeat | P.Goodbye):
-        decoders.append(P.decode_pub)
+    # ... and a map written by another client (here: the generic encoder) decodes to the struct.
+    wire = msgspec.msgpack.encode(expected)
+    kind = expected["kind"]
+    decoders = [
+        decode
+        for decode, doc in (
+            (P.decode_client, DOC_CLIENT_FIELDS),
+            (P.decode_engine, DOC_ENGINE_FIELDS),
+            (P.decode_pub, DOC_PUB_FIELDS),
+        )
+        if kind in doc
+    ]
+    assert decoders
     for decode in decoders:
-        assert decode(data) == msg
+        assert decode(wire) == msg
 
 
 def test_sampling_options_mirror_sampling_params() -> None:
@@ -113,7 +276,7 @@ def test_sampling_options_mirror_sampling_params() -> None:
 def _err(data: bytes) -> P.ProtocolError:
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)) as info:
         P.decode_client(data)
-    return P.classify_decode_error(info.value)
+    return P.classify_decode_error(info.value, data)
 
 
 @pytest.mark.parametrize(
@@ -179,16 +342,38 @@ def test_validation_names_the_field(obj: object, code: str, needle: str) -> None
 def test_not_msgpack_is_bad_message() -> None:
     assert _err(b"\xc1").code == P.ERR_BAD_MESSAGE
     # A pickled hello is refused like any other garbage, never unpickled.
-    assert _err(pickle.dumps({"kind": "hello", "protocol_version": 1})).code in P.ERROR_CODES
+    assert _err(pickle.dumps({"kind": "hello", "protocol_version": 1})).code == P.ERR_BAD_MESSAGE
+    # One MessagePack value followed by garbage is not MessagePack either, even when the first
+    # value alone has the wrong type (msgspec's typed decoder reports that first).
+    assert _err(b"\x05\xc1").code == P.ERR_BAD_MESSAGE
+    assert _err(msgspec.msgpack.encode([1, 2])[:-1]).code == P.ERR_BAD_MESSAGE
+    assert _err(msgspec.msgpack.encode({"kind": "abort", "request_id": 1}) + b"\x00").code == (
+        P.ERR_BAD_MESSAGE
+    )
+    # A non-string key ahead of `kind` does not hide an unknown kind.
+    assert _err(msgspec.msgpack.encode({1: 2, "kind": "nope"})).code == P.ERR_UNKNOWN_KIND
+    assert _err(msgspec.msgpack.encode({1: 2, "kind": "abort"})).code == P.ERR_INVALID_MESSAGE
+
+
+_maps = st.dictionaries(
+    st.sampled_from(["kind", "request_id", "protocol_version", "op", "prompt", "x"]),
+    st.one_of(
+        st.sampled_from([*DOC_CLIENT_KINDS, "welcome", "GENERATE"]),
+        st.integers(-(2**63), 2**64 - 1),
+        st.text(max_size=4),
+        st.none(),
+    ),
+    max_size=4,
+).map(msgspec.msgpack.encode)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=200))
-def test_random_bytes_only_raise_decode_errors(data: bytes) -> None:
+@given(st.one_of(st.binary(max_size=200), _maps, _maps.map(lambda m: m + b"\xc1")))
+def test_random_frames_get_their_documented_code(data: bytes) -> None:
     try:
         P.decode_client(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        assert P.classify_decode_error(exc).code in P.ERROR_CODES
+        assert P.classify_decode_error(exc, data).code == documented_error_code(data)
 
 
 def test_block_arrays_roundtrip_and_size_check() -> None:
