@@ -149,7 +149,7 @@ class AsyncEngineClient:
         if self.state == "closed":
             return
         if self.state == "ready":
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, EngineError):
                 await self._send(P.Goodbye(reason="client closing"))
         self._mark_gone("client closed", state="closed")
         for task in self._tasks:
@@ -194,7 +194,11 @@ class AsyncEngineClient:
         )
         stream = AsyncRequestStream(self, request_id, sampling.n)
         self._streams[request_id] = stream
-        await self._send(msg)
+        try:
+            await self._send(msg)
+        except EngineError:
+            self._streams.pop(request_id, None)
+            raise
         return stream
 
     async def abort(self, request_id: str) -> None:
@@ -252,7 +256,17 @@ class AsyncEngineClient:
     async def _send(self, msg: msgspec.Struct) -> None:
         if self.token is not None and hasattr(msg, "token"):
             msg.token = self.token  # type: ignore[attr-defined]
-        await self.dealer.send(P.encode(msg))
+        try:
+            # Never wait: a DEALER whose connection was dropped (a reply over
+            # MAX_REPLY_MESSAGE_BYTES closes it) would hold the send forever.
+            await self.dealer.send(P.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            why = (
+                f"cannot send to the engine at {self.endpoint}: the connection is gone or its "
+                f"queue is full (a reply over {P.MAX_REPLY_MESSAGE_BYTES >> 20} MiB closes it)"
+            )
+            self._mark_gone(why)
+            raise EngineError(ERR_ENGINE_GONE, why) from None
 
     async def _read_dealer(self) -> None:
         while True:
@@ -353,7 +367,7 @@ class AsyncEngineClient:
             if self.subscribe and silence > _GONE_AFTER_HEARTBEATS * interval:
                 self._mark_gone(f"no word from the engine for {silence:.1f} s")
                 return
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, EngineError):
                 await self._send(P.Heartbeat(time=time.monotonic()))
 
     def _mark_gone(self, why: str, state: str = "gone") -> None:

@@ -13,6 +13,7 @@ import numpy as np
 from engine_proc.outputs import RequestMetrics, RequestOutput
 from engine_proc.sampling_params import SamplingParams
 from engine_proc.telemetry_types import BlockSnapshot, EngineSnapshot, RequestSnapshot
+from ipc import protocol as P
 
 BLOCK = 4
 
@@ -161,3 +162,17 @@ class FakeEngine:
             "num_requests_running": float(len(self.requests)),
         }
         return EngineSnapshot(time.monotonic(), blocks, reqs, counters, self.live_config())
+
+
+def welcome_message() -> P.Welcome:
+    """The Welcome a server holding a FakeEngine would send (for raw-socket fakes)."""
+    info = FakeEngine().model_info()
+    cfg = P.LiveConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, long_prefill_chunk=0, enable_prefix_caching=True
+    )
+    return P.Welcome(
+        protocol_version=P.PROTOCOL_VERSION, client_id="00", model=P.ModelInfo(**info),
+        config=cfg, pub_endpoint="tcp://127.0.0.1:1", telemetry_hz=20.0,
+        heartbeat_interval=0.125, client_timeout=0.5, max_message_bytes=1 << 20,
+        server_time=0.0,
+    )  # fmt: skip

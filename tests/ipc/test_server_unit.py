@@ -14,9 +14,10 @@ import zmq
 from engine_proc import server as server_module
 from engine_proc.server import EngineServer, ServerConfig
 from ipc import client as client_module
+from ipc import connection as connection_module
 from ipc import protocol as P
 from ipc.client import ERR_ENGINE_GONE, EngineClient, EngineConnection, EngineError
-from tests.ipc.fake_engine import FakeEngine
+from tests.ipc.fake_engine import FakeEngine, welcome_message
 from tests.ipc.helpers import raw_dealer, recv_msg
 
 TOKEN = "a-long-enough-test-token"
@@ -418,7 +419,7 @@ class MuteEngine:
                 peer, data = self.sock.recv_multipart()
                 self.peer, msg = peer, P.decode_client(data)
                 if isinstance(msg, P.Hello):
-                    self._send(_welcome())
+                    self._send(welcome_message())
                 self.inbox.put(msg)
             while not self.outbox.empty():
                 self._send(self.outbox.get())
@@ -438,25 +439,13 @@ class MuteEngine:
         self.ctx.term()
 
 
-def _welcome() -> P.Welcome:
-    info = FakeEngine().model_info()
-    cfg = P.LiveConfig(
-        max_num_seqs=8, max_num_batched_tokens=64, long_prefill_chunk=0, enable_prefix_caching=True
-    )
-    return P.Welcome(
-        protocol_version=P.PROTOCOL_VERSION, client_id="00", model=P.ModelInfo(**info),
-        config=cfg, pub_endpoint="tcp://127.0.0.1:1", telemetry_hz=20.0,
-        heartbeat_interval=0.125, client_timeout=0.5, max_message_bytes=1 << 20,
-        server_time=0.0,
-    )  # fmt: skip
-
-
 def test_client_gives_up_on_a_silent_engine_not_on_a_talking_one(monkeypatch) -> None:
     """EngineClient with a request in flight treats the engine as gone after
     max(3 heartbeat intervals, client_timeout) = 0.5 s without any message from it, on the
     client's own (here frozen) clock."""
     clock = FrozenClock()
-    monkeypatch.setattr(client_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    for module in (client_module, connection_module):
+        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=clock.monotonic))
     mute = MuteEngine()
     try:
         with EngineClient(mute.endpoint, connect_timeout=60) as c:

@@ -81,10 +81,9 @@ def test_garbage_huge_and_slow_metrics() -> None:
             run(huge())
         fake.metrics_raw = None
         fake.metrics_delay = 1.0
-        t0 = time.monotonic()
         info = run(_discover(fake.url, metrics_timeout=0.3))
         assert "did not answer within 0.3 s" in info.metrics_note
-        assert time.monotonic() - t0 < 5  # gave up on /metrics, not on the server
+        assert info.kind == "vllm"  # gave up on /metrics, not on the server
 
 
 async def _chat(url: str, body: dict | None = None) -> tuple[list, ReplyStats]:
