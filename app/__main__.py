@@ -15,12 +15,14 @@ GUI extras: `--screenshot OUT.png [--load N]` renders the window under load to a
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -298,12 +300,14 @@ def _measure(app, win, args) -> int:
         probe = LatencyProbe()
         for d in win.perf.values():
             d.clear()
+        gc_pauses = _track_gc_pauses(win.perf)
         probe.start()
         frames0 = win._frames_seen
         cpu0 = time.process_time()
         t0 = time.monotonic()
         _run_loop_for(app, args.measure_latency)
         probe.stop()
+        gc.callbacks.remove(gc_pauses)
         el = time.monotonic() - t0
         cpu = (time.process_time() - cpu0) / el
         r = probe.result()
@@ -339,6 +343,22 @@ def _measure(app, win, args) -> int:
     finally:
         win.shutdown()
         win.close()
+
+
+def _track_gc_pauses(perf: dict) -> Callable[[str, dict], None]:
+    """Time the garbage collector's passes (any thread's) into perf['gc gen N']."""
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            perf.setdefault(f"gc gen {info['generation']}", []).append(
+                time.perf_counter() - started[0]
+            )
+
+    gc.callbacks.append(on_gc)
+    return on_gc
 
 
 def _run_loop_for(app, seconds: float) -> None:

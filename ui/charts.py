@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsItem, QVBoxLayout, QWidget
 
 from ui import theme
 from ui.telemetry import History
@@ -21,7 +21,9 @@ LOG_TICKS = [(float(e), lab) for e, lab in enumerate(
     ("1", "10", "100", "1 s", "10 s", "100 s"))] + [(-1.0, "0.1"), (-2.0, "0.01")]
 
 
-def _pen(key: str, width: float = 1.5, style: Qt.PenStyle = Qt.PenStyle.SolidLine) -> object:
+def _pen(key: str, width: float = 1.0, style: Qt.PenStyle = Qt.PenStyle.SolidLine) -> object:
+    # The live charts keep width 1: Qt's raster engine strokes a wider pen as a path, which cost
+    # ~10 ms per repaint of these charts (over 1,000 points a curve), in the GUI thread at 10 Hz.
     return pg.mkPen(theme.SERIES[key], width=width, style=style)
 
 
@@ -29,6 +31,63 @@ def _brush(key: str, alpha: int = 110) -> object:
     c = pg.mkColor(theme.SERIES[key])
     c.setAlpha(alpha)
     return pg.mkBrush(c)
+
+
+def _opaque_brush(colour: str, alpha: int) -> object:
+    """`colour` at `alpha` over the plot background, as an opaque brush: stacked areas are drawn
+    as curves filled down to 0, each over the one below, so they must not show through."""
+    c, bg = pg.mkColor(colour), pg.mkColor(theme.BG)
+    a = alpha / 255.0
+    mix = [round(b * (1 - a) + f * a) for b, f in zip(bg.getRgb()[:3], c.getRgb()[:3], strict=True)]
+    return pg.mkBrush(*mix)
+
+
+class Dots:
+    """A scatter drawn as a curve of tiny segments with round caps. pyqtgraph's ScatterPlotItem
+    builds a Python record per point on every setData (~5 ms for 1,500 points, at 10 Hz, in the
+    GUI thread); a curve is a few numpy operations and one drawLines."""
+
+    def __init__(self, plot: pg.PlotItem, colour: str, size: float) -> None:
+        pen = pg.mkPen(colour, width=size)
+        pen.setCapStyle(Qt.PenCapStyle.RoundCap)
+        self.item = plot.plot(pen=pen, connect="pairs")
+        self.item.setDownsampling(ds=1, auto=False)  # would break the pairs
+        self.item.setClipToView(False)
+        self.xData = np.empty(0)
+        self.yData = np.empty(0)
+
+    def setData(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.xData, self.yData = np.asarray(x, float), np.asarray(y, float)
+        pairs_y = np.empty(2 * len(self.yData))
+        pairs_y[0::2] = self.yData
+        pairs_y[1::2] = self.yData + 1e-3  # sub-pixel: the round cap makes it a dot
+        self.item.setData(np.repeat(self.xData, 2), pairs_y)
+
+
+def _pin_title_width(p: pg.PlotItem) -> None:
+    """Keep a title's text out of the layout. LabelItem.setText resets the label's size hints to
+    the text's size: a long title would widen its column, and every changed number in a live
+    title re-laid out the whole grid (plots resized, axes regenerated, a ~40 ms repaint of every
+    chart, several times a second). Pinned, the label keeps one line's height and a nominal
+    width whatever its text; the layout gives it the plot's width."""
+    label = p.titleLabel
+    height = label.itemRect().height()
+    hints = {
+        Qt.SizeHint.MinimumSize: (10.0, height),
+        Qt.SizeHint.PreferredSize: (10.0, height),
+        Qt.SizeHint.MaximumSize: (-1.0, -1.0),
+        Qt.SizeHint.MinimumDescent: (0.0, 0.0),
+    }
+
+    def fixed_hints() -> None:  # stands in for LabelItem.updateMin
+        label.setMinimumSize(10.0, height)
+        label._sizeHint = dict(hints)
+
+    label.updateMin = fixed_hints
+    label.opts["justify"] = "left"  # a title longer than its plot loses its end, not both ends
+    label.setFlag(QGraphicsItem.GraphicsItemFlag.ItemClipsChildrenToShape, True)
+    fixed_hints()
+    label.updateGeometry()
 
 
 def _fmt_rate(v: float) -> str:
@@ -45,7 +104,7 @@ class ChartsWidget(QWidget):
         lay.addWidget(self.view)
         self.plots: list[pg.PlotItem] = []
         self.block_size = 16
-        self._seen = -1  # History.frames.n at the last refresh
+        self._seen = [-1] * self.PARTS  # History.frames.n at each part's last refresh
         self._itl_seen = -1
         self._xrange: tuple[float, float] | None = None
         self._yranges: dict[int, tuple[float, float]] = {}
@@ -59,59 +118,52 @@ class ChartsWidget(QWidget):
         # pile up when the range spans several decades
         p.getAxis("left").setTicks([LOG_TICKS, []])
         p.setYRange(0, 2, padding=0.02)
-        self.itl = p.plot(pen=None, symbol="o", symbolSize=3, symbolPen=None,
-                          symbolBrush=_brush("itl", 160), name="inter-token")
-        self.ttft = p.plot(pen=None, symbol="t1", symbolSize=9, symbolPen=pg.mkPen("#000000"),
-                           symbolBrush=_brush("ttft", 255), name="TTFT")
-        self._legend(p, (self.itl, "inter-token"), (self.ttft, "TTFT"))
+        self.itl = Dots(p, theme.SERIES["itl"], 3)
+        self.ttft = Dots(p, theme.SERIES["ttft"], 8)
+        self._legend(p, (self.itl.item, "inter-token"), (self.ttft.item, "TTFT"))
         self.p_latency = p
 
         # 2. prefix cache: hit rate over a recent window
         p = self._plot(0, 1, "prefix-cache hit rate (%)", colspan=2)
         p.setYRange(0, 100, padding=0.02)
-        self.hit = p.plot(pen=_pen("hit", 2))
+        self.hit = p.plot(pen=_pen("hit"))
         self.p_hit = p
 
-        # 3. prompt tokens: cached vs computed (stacked, tok/s)
+        # 3. prompt tokens: cached vs computed (stacked, tok/s). Stacks are curves filled down
+        # to 0, the upper one drawn first: pyqtgraph's FillBetweenItem rebuilds its path in Python
+        # on every setData of either curve (~2 ms each, the charts' largest cost under load).
         p = self._plot(1, 0, "prompt tokens/s: cached vs computed")
-        self.computed = p.plot(pen=_pen("computed"))
-        self.cached_top = p.plot(pen=_pen("cached"))
-        zero = p.plot(pen=None)
-        self._zero = zero
-        p.addItem(pg.FillBetweenItem(zero, self.computed, brush=_brush("computed", 90)))
-        p.addItem(pg.FillBetweenItem(self.computed, self.cached_top, brush=_brush("cached", 120)))
+        self.cached_top = p.plot(pen=_pen("cached"), fillLevel=0,
+                                 fillBrush=_opaque_brush(theme.SERIES["cached"], 120))
+        self.computed = p.plot(pen=_pen("computed"), fillLevel=0,
+                               fillBrush=_opaque_brush(theme.SERIES["computed"], 90))
         self._legend(p, (self.cached_top, "cached"), (self.computed, "computed"))
         self.p_prompt = p
 
         # 4. throughput
         p = self._plot(1, 1, "throughput (tok/s)", colspan=2)
         self.ptps = p.plot(pen=_pen("prompt"))
-        self.gtps = p.plot(pen=_pen("gen", 2))
+        self.gtps = p.plot(pen=_pen("gen"))
         self._legend(p, (self.ptps, "prompt"), (self.gtps, "generation"))
         self.p_tps = p
 
         # 5. running / waiting
         p = self._plot(2, 0, "requests")
-        self.running = p.plot(pen=_pen("running", 2), stepMode=None)
-        self.waiting = p.plot(pen=_pen("waiting", 2))
+        self.running = p.plot(pen=_pen("running"), stepMode=None)
+        self.waiting = p.plot(pen=_pen("waiting"))
         self._legend(p, (self.running, "running"), (self.waiting, "waiting"))
         self.p_req = p
 
         # 6. KV usage (% of the pool): in use / cached / empty stacked, and token occupancy
         p = self._plot(2, 1, "KV cache (% of pool)")
         p.setYRange(0, 100, padding=0.02)
-        self.kv_in_use = p.plot(pen=_pen("in_use"))
-        self.kv_cached_top = p.plot(pen=pg.mkPen(theme.CACHED))
-        self.kv_full = p.plot(pen=pg.mkPen(theme.EMPTY))
-        zero2 = p.plot(pen=None)
-        self._zero2 = zero2
-        p.addItem(pg.FillBetweenItem(zero2, self.kv_in_use, brush=_brush("in_use", 150)))
-        c = pg.mkColor(theme.CACHED)
-        c.setAlpha(130)
-        p.addItem(pg.FillBetweenItem(self.kv_in_use, self.kv_cached_top, brush=pg.mkBrush(c)))
-        e = pg.mkColor(theme.EMPTY)
-        p.addItem(pg.FillBetweenItem(self.kv_cached_top, self.kv_full, brush=pg.mkBrush(e)))
-        self.occ = p.plot(pen=_pen("occupancy", 2))
+        self.kv_full = p.plot(pen=pg.mkPen(theme.EMPTY), fillLevel=0,
+                              fillBrush=pg.mkBrush(theme.EMPTY))
+        self.kv_cached_top = p.plot(pen=pg.mkPen(theme.CACHED), fillLevel=0,
+                                    fillBrush=_opaque_brush(theme.CACHED, 130))
+        self.kv_in_use = p.plot(pen=_pen("in_use"), fillLevel=0,
+                                fillBrush=_opaque_brush(theme.SERIES["in_use"], 150))
+        self.occ = p.plot(pen=_pen("occupancy"))
         self._legend(p, (self.kv_in_use, "in use"), (self.kv_cached_top, "cached"),
                      (self.occ, "token occupancy"))
         self.p_kv = p
@@ -144,8 +196,7 @@ class ChartsWidget(QWidget):
     def _plot(self, row: int, col: int, title: str, colspan: int = 1) -> pg.PlotItem:
         p = self.view.addPlot(row=row, col=col, colspan=colspan)
         p.setTitle(title, size="9pt")
-        # a long title must not widen the plot beyond its column (it would be clipped)
-        p.titleLabel.setMinimumWidth(10)
+        _pin_title_width(p)
         # no grid: the axes draw grid lines through the whole plot on every repaint (slow)
         p.setMenuEnabled(False)
         p.setMouseEnabled(x=False, y=False)
@@ -166,22 +217,32 @@ class ChartsWidget(QWidget):
             leg.addItem(item, name)
 
     def clear(self) -> None:
-        for item in (self.itl, self.ttft, self.hit, self.computed, self.cached_top, self._zero,
+        for item in (self.itl, self.ttft, self.hit, self.computed, self.cached_top,
                      self.ptps, self.gtps, self.running, self.waiting, self.kv_in_use,
-                     self.kv_cached_top, self.kv_full, self._zero2, self.occ):
+                     self.kv_cached_top, self.kv_full, self.occ):
             item.setData([], [])
         self.bars.setOpts(height=[0, 0, 0])
         for lab in self.bar_labels:
             lab.setText("")
-        self._seen, self._itl_seen, self._xrange, self._bars = -1, -1, None, []
+        self._seen, self._itl_seen, self._xrange, self._bars = [-1] * self.PARTS, -1, None, []
         self._yranges.clear()
 
-    def refresh(self, h: History) -> None:
-        """Push the history into the plot items. Cheap when nothing changed: axes only move in
-        whole steps and titles update at most twice a second (both force re-layout/re-render)."""
-        if h.latest is None or len(h.frames) == 0 or h.frames.n == self._seen:
+    PARTS = 2  # refresh(h, part) updates half of the plots: two short repaints, not one long
+
+    def refresh(self, h: History, part: int | None = None) -> None:
+        """Push the history into the plot items: `part` 0 (latency, hit rate, prompt tokens) or 1
+        (throughput, requests, KV, bars, titles), or both. Each part repaints only its plots, so
+        the GUI thread never spends one long event on all of them. Cheap when nothing changed:
+        axes only move in whole steps and titles update at most twice a second (both force
+        re-layout/re-render)."""
+        if h.latest is None or len(h.frames) == 0:
             return
-        self._seen = h.frames.n
+        for p in range(self.PARTS) if part is None else (part,):
+            if self._seen[p] != h.frames.n:
+                self._seen[p] = h.frames.n
+                self._refresh_part(h, p)
+
+    def _refresh_part(self, h: History, part: int) -> None:
         self.block_size = h.latest.block_size
         fr = h.frames.view()
         t = fr[:, History.T]
@@ -195,16 +256,27 @@ class ChartsWidget(QWidget):
             self._xrange = (x0, x1)
             for p in self.plots:
                 p.setXRange(x0, x1, padding=0)  # the bar plot is not in self.plots
-
         itl = h.itl.view()
         itl = itl[itl[:, 0] >= x0]
         if len(itl) > MAX_POINTS:  # thin evenly so the whole window stays visible
             itl = itl[np.linspace(0, len(itl) - 1, MAX_POINTS).astype(np.int64)]
+        tt = h.ttft.view()
+        tt = tt[tt[:, 0] >= x0]
+        if part == 0:
+            self._refresh_latency_and_prompt(h, fr, t, itl, tt)
+        else:
+            self._refresh_load_and_kv(h, fr, t)
+            now = time.monotonic()
+            if now - self._last_titles >= TITLE_PERIOD_S:
+                self._last_titles = now
+                self._titles(h, fr, itl, tt)
+
+    def _refresh_latency_and_prompt(
+        self, h: History, fr: np.ndarray, t: np.ndarray, itl: np.ndarray, tt: np.ndarray
+    ) -> None:
         if h.itl.n != self._itl_seen:
             self._itl_seen = h.itl.n
             self.itl.setData(itl[:, 0], _log_ms(itl[:, 1]))
-        tt = h.ttft.view()
-        tt = tt[tt[:, 0] >= x0]
         self.ttft.setData(tt[:, 0], _log_ms(tt[:, 1]))
         lat = np.concatenate((itl[:, 1], tt[:, 1])) * 1e3
         if len(lat):
@@ -217,11 +289,11 @@ class ChartsWidget(QWidget):
 
         comp = fr[:, History.COMPUTED_TPS]
         top_prompt = comp + fr[:, History.CACHED_TPS]
-        self._zero.setData(t, np.zeros_like(t))
         self.computed.setData(t, comp)
         self.cached_top.setData(t, top_prompt)
         self._y(self.p_prompt, 0.0, _nice(float(top_prompt.max()) if len(t) else 1.0))
 
+    def _refresh_load_and_kv(self, h: History, fr: np.ndarray, t: np.ndarray) -> None:
         self.ptps.setData(t, fr[:, History.PTPS])
         self.gtps.setData(t, fr[:, History.GTPS])
         self._y(self.p_tps, 0.0, _nice(float(np.nanmax(fr[:, [History.PTPS, History.GTPS]]))))
@@ -232,7 +304,6 @@ class ChartsWidget(QWidget):
 
         in_use = fr[:, History.IN_USE] * 100
         cached = in_use + fr[:, History.CACHED] * 100
-        self._zero2.setData(t, np.zeros_like(t))
         self.kv_in_use.setData(t, in_use)
         self.kv_cached_top.setData(t, cached)
         self.kv_full.setData(t, np.full_like(t, 100.0))
@@ -240,10 +311,6 @@ class ChartsWidget(QWidget):
         ok = np.isfinite(occ)
         self.occ.setData(t[ok], occ[ok])
         self._refresh_bars(h)
-        now = time.monotonic()
-        if now - self._last_titles >= TITLE_PERIOD_S:
-            self._last_titles = now
-            self._titles(h, fr, itl, tt)
 
     def _y(self, p: pg.PlotItem, lo: float, hi: float) -> None:
         """Set a y range only when it really changes (hysteresis: grow at once, shrink at 1/3)."""
@@ -260,7 +327,6 @@ class ChartsWidget(QWidget):
         if self._title_text.get(id(p)) != text:
             self._title_text[id(p)] = text
             p.setTitle(text, size="9pt")
-            p.titleLabel.setMinimumWidth(10)  # setTitle sets it to the text width again
 
     def _titles(self, h: History, fr: np.ndarray, itl: np.ndarray, tt: np.ndarray) -> None:
         r = h.rates

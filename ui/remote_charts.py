@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.remote.samples import MetricSample
 from ui import theme
-from ui.charts import LOG_TICKS, WINDOW_S, _fmt_rate, _nice, _pct, _pen
+from ui.charts import LOG_TICKS, WINDOW_S, _fmt_rate, _nice, _pct, _pen, _pin_title_width
 from ui.metrics_history import MetricsHistory
 
 NOT_REPORTED = "not reported by this server"
@@ -124,7 +124,7 @@ class MetricsChartsWidget(QWidget):
             self.titles[key] = text
             p = self.plots[key]
             p.setTitle(text, size="9pt")
-            p.titleLabel.setMinimumWidth(10)  # a long title must not widen the column
+            _pin_title_width(p)
 
     def clear(self) -> None:
         for item in self.items:

@@ -105,10 +105,12 @@ def run(args: argparse.Namespace) -> dict:
         hung_actors = sum(t.is_alive() for t in threads)
         idle = wait_idle(watch, timeout=60)
         end = {"engine": proc_stats(engine.proc.pid), "http": proc_stats(http.proc.pid)}
-        p99 = window_p99_ms(window, timeout=120)
-        return report(
+        p99, measurement = window_p99_ms(window, timeout=120)
+        out = report(
             args, tally, warm, end, watch, idle, p99, hung_actors, time.monotonic() - start
         )
+        out["window_measurement"] = measurement
+        return out
     finally:
         watch.stop.set()
         for child in (window, http, engine):

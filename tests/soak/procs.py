@@ -127,11 +127,15 @@ def start_window(endpoint: str, seconds: float, data_dir: str) -> Child:
     )
 
 
-def window_p99_ms(window: Child, timeout: float) -> float | None:
+def window_p99_ms(window: Child, timeout: float) -> tuple[float | None, list[str]]:
+    """The window's event-loop p99 under load, and its whole measurement (handler times, CPU)."""
     deadline = time.monotonic() + timeout
     while window.proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    for line in window.lines:
+    lines = list(window.lines)
+    start = next((i for i, line in enumerate(lines) if "GUI event-loop latency" in line), None)
+    measurement = [] if start is None else [line.strip() for line in lines[start:]]
+    for line in measurement:
         if "under load:" in line and "p99" in line:
-            return float(line.split("p99", 1)[1].split("ms")[0])
-    return None
+            return float(line.split("p99", 1)[1].split("ms")[0]), measurement
+    return None, measurement

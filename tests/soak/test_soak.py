@@ -39,10 +39,10 @@ def test_two_minute_soak_holds_every_server_check(soak: dict) -> None:
         assert outcomes.get(kind, 0) > 0, (kind, outcomes)
 
 
-@pytest.mark.xfail(
-    reason="the attached window's event-loop p99 measures 59-112 ms on this 2-core machine under "
-    "the soak (target 50 ms); issue 16 stays open for it",
-    strict=False,
-)
 def test_two_minute_soak_window_stays_responsive(soak: dict) -> None:
-    assert soak["checks"][WINDOW_CHECK], soak["window_event_loop_p99_ms"]
+    """The attached window's event-loop p99 under the soak (its handler and GC times are in the
+    report's window_measurement: what to look at when this fails)."""
+    assert soak["checks"][WINDOW_CHECK], (
+        soak["window_event_loop_p99_ms"],
+        soak.get("window_measurement"),
+    )

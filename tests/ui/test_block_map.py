@@ -194,3 +194,26 @@ def test_request_table_and_tooltip_name_each_origin(qtbot):
     assert "owners: cmpl-1 (http), chat-7 (gui)" in tip
     assert "owners: load-3-abc (load)" in w.tooltip_text(3)
     assert "owners: —" in w.tooltip_text(5)
+
+
+def test_live_titles_never_re_layout_the_charts(qtbot, frames):
+    """A title's numbers change twice a second; if its text width reached the layout, every
+    change resized all plots and repainted every chart at once (tens of ms in the GUI thread)."""
+    c = ChartsWidget()
+    qtbot.addWidget(c)
+    c.resize(900, 400)
+    c.show()
+    h = History()
+    for f in frames:
+        h.add(f)
+    c.refresh(h)
+    qtbot.wait(50)
+    before = [p.vb.sceneBoundingRect() for p in c.plots]
+    for width in (1, 80, 3, 200):
+        for p in c.plots:
+            c._title(p, "x" * width)
+        qtbot.wait(20)
+        assert [p.vb.sceneBoundingRect() for p in c.plots] == before, width
+    # the text stays inside its plot: clipped, not drawn over the neighbour's title
+    label = c.p_latency.titleLabel
+    assert label.flags() & label.GraphicsItemFlag.ItemClipsChildrenToShape
