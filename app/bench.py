@@ -1,9 +1,10 @@
 """`kvscope bench` / `python -m app.bench`: KVScope's engine against transformers (and llama.cpp),
 and its HTTP front-end against its ZeroMQ protocol.
 
-    python -m app.bench --quick              # ~3 min smoke run: every workload, one repeat
+    python -m app.bench --quick              # a few minutes: every workload, one repeat
     python -m app.bench --repeats 3 --out bench_out
     python -m app.bench --workloads streaming --repeats 2   # HTTP vs ZeroMQ, 32 streams
+    python -m app.bench --workloads streams    # decode tok/s at 1, 4, 16, 64 concurrent streams
 
 Workloads are built from a seed (app/bench_workloads.py: token ids drawn from the model's
 ordinary vocabulary, output lengths, arrival times) and written as JSON; each (system, workload,
@@ -14,8 +15,10 @@ front-ends (kvscope-zmq, kvscope-http). This module never imports torch, transfo
 engine_proc: everything it knows about the model comes from the `ceilings` worker.
 
 Outputs: a table on stdout (ratios against the baseline measured in the same run, targets with
-PASS/MISS; app/bench_table.py), `bench.json` and, when matplotlib is installed, PNG plots, all in
---out.
+PASS/MISS; app/bench_table.py), `bench.json` and, when matplotlib is installed (the `bench`
+extra), PNG plots, all in --out. Runs from any directory: every path argument is made absolute
+before a worker sees it, and workers run in the caller's directory. Exit status 1 when every
+system that ran failed (skipped ones, such as llama.cpp when it is not installed, do not count).
 """
 
 from __future__ import annotations
@@ -32,23 +35,34 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.bench_clients import CLIENT_SYSTEMS
-from app.bench_plots import write_plots
+from app.bench_plots import NO_PLOTS, write_plots
 from app.bench_stats import summarize_workload
-from app.bench_table import build_rows, format_table
+from app.bench_table import build_rows, build_streams_rows, format_streams_table, format_table
 from app.bench_workloads import (
     FULL,
     QUICK,
+    STREAMS_DECODE_WEIGHTS,
     WORKLOAD_SYSTEMS,
     WORKLOADS,
     Sizes,
     Vocab,
+    default_workloads,
+    expand_workloads,
     make_workload,
 )
 from app.supervisor import DTYPES
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# Where the `app` and `engine_proc` packages live: a source checkout, or site-packages. Workers
+# get it on PYTHONPATH so an uninstalled (or editable) checkout runs from any directory.
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def absolute(path: str | os.PathLike[str] | None) -> str | None:
+    """A path argument as the caller meant it (relative to the caller's directory, ~ expanded),
+    absolute, so a worker reads the same file wherever it runs."""
+    return None if path is None else str(Path(path).expanduser().resolve())
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,9 +75,9 @@ def worker_command(system: str, workload_path: Path | None, args: argparse.Names
     (it spawns the engine itself), engine_proc.bench_worker for everything else."""
     common = ["--system", system, "--dtype", args.dtype, "--threads", str(args.threads)]
     if workload_path is not None:
-        common += ["--workload", str(workload_path)]
+        common += ["--workload", absolute(workload_path)]
     if args.model:
-        common += ["--model", args.model]
+        common += ["--model", absolute(args.model)]
     if system in CLIENT_SYSTEMS:
         # Engine start-up (the model load) is outside the measurement but inside `timeout`.
         return [sys.executable, "-m", "app.bench_clients", *common,
@@ -73,7 +87,7 @@ def worker_command(system: str, workload_path: Path | None, args: argparse.Names
     if args.quick:
         cmd.append("--quick")
     if args.cache_dir:
-        cmd += ["--cache-dir", args.cache_dir]
+        cmd += ["--cache-dir", absolute(args.cache_dir)]
     return cmd
 
 
@@ -81,13 +95,12 @@ def run_worker(system: str, workload_path: Path | None, args: argparse.Namespace
                timeout: float) -> dict:
     cmd = worker_command(system, workload_path, args, timeout)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=REPO_ROOT)
+    try:  # in the caller's directory, like any command it runs
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"system": system, "error": f"timed out after {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -97,6 +110,11 @@ def run_worker(system: str, workload_path: Path | None, args: argparse.Namespace
     result = json.loads(lines[-1])
     result["spawn_s"] = time.monotonic() - start
     return result
+
+
+def llamacpp_installed() -> bool:
+    """llama-cpp-python is an optional peer: without it the llamacpp system is skipped."""
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def resolve_threads(requested: int | None) -> int:
@@ -119,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="small counts and lengths, one repeat (a few minutes on 2 cores)")
     ap.add_argument("--repeats", type=int, default=None, help="default 3, --quick 1")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    ap.add_argument("--workloads", default=None,
+                    help=f"comma-separated subset of {','.join(WORKLOADS)}; `streams` = the "
+                    "streams-N workloads (N = 1,4,16,64; --quick 1,4,16) (default: all)")
     ap.add_argument("--systems", default="kvscope,hf,llamacpp",
                     help="which of kvscope,hf,llamacpp to run (the kvscope variants, "
                     "kvscope-zmq and kvscope-http included, follow kvscope)")
@@ -168,22 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    bad = [w for w in workloads if w not in WORKLOADS]
-    if bad:
-        print(f"error: --workloads: unknown {bad}; allowed: {', '.join(WORKLOADS)}",
-              file=sys.stderr)
+    sizes = _sizes(args)
+    try:
+        workloads = (default_workloads(sizes) if args.workloads is None else expand_workloads(
+            [w.strip() for w in args.workloads.split(",") if w.strip()], sizes))
+    except ValueError as exc:
+        print(f"error: --workloads: {exc}", file=sys.stderr)
         return 2
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if any(s not in ("kvscope", "hf", "llamacpp") for s in systems):
         print("error: --systems must be a subset of kvscope,hf,llamacpp", file=sys.stderr)
         return 2
-    sizes = _sizes(args)
     args.hf_batch = sizes.hf_batch
+    # Paths as the caller meant them, whatever directory a worker runs in.
+    args.model, args.cache_dir = absolute(args.model), absolute(args.cache_dir)
     repeats = args.repeats or (1 if args.quick else 3)
     args.threads = resolve_threads(args.threads)
     timeout = args.timeout or (600.0 if args.quick else 7200.0)
-    out = Path(args.out)
+    out = Path(absolute(args.out))
     (out / "workloads").mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     log.info("bench: %s, %d repeat(s), %d thread(s), dtype %s, out %s",
@@ -216,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 done += 1
                 log.info("[%d/%d] %s: %s (repeat %d/%d) ...", done, total, w, system,
                          rep + 1, repeats)
-                if system == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
+                if system == "llamacpp" and not llamacpp_installed():
                     # What the worker would say, without paying for a process start.
                     result = {"system": system, "skipped": "llama-cpp-python is not installed "
                               "(pip install llama-cpp-python)"}
@@ -227,14 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     summary = {w: {s: summarize_workload(w, rs, wl_defs[w]) for s, rs in by.items()}
                for w, by in runs.items()}
     rows = build_rows(summary, ceilings)
-    table = format_table(rows)
+    streams_rows = build_streams_rows(summary)
     header = (f"KVScope bench ({'quick' if args.quick else 'full'}, {repeats} repeat(s), "
               f"{args.threads} thread(s), {args.dtype}, {model['name']}, hf static batch "
               f"{sizes.hf_batch}, interference chunk {sizes.interf_chunk}); ratio = kvscope "
               f"over baseline (for latencies: baseline over kvscope; streaming: kvscope-http "
               f"over kvscope-zmq), medians over repeats")
-    print(header)
-    print(table)
+    text = [header]
+    if rows:
+        text.append(format_table(rows))
+    if streams_rows:
+        text += ["", _streams_header(summary, sizes), format_streams_table(streams_rows)]
+    print("\n".join(text))
     skipped = {f"{w}/{s}": r[0].get("skipped") or r[0].get("error")
                for w, by in runs.items() for s, r in by.items()
                if r and ("skipped" in r[0] or "error" in r[0])}
@@ -242,15 +267,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key}: {why}")
     report = {"config": {"quick": args.quick, "repeats": repeats, "threads": args.threads,
                          "dtype": args.dtype, "seed": args.seed, "model": args.model,
-                         "sizes": asdict(sizes)},
+                         "workloads": workloads, "sizes": asdict(sizes)},
               "ceilings": ceilings, "summary": summary, "rows": [asdict(r) for r in rows],
+              "streams_rows": [asdict(r) for r in streams_rows],
               "runs": runs, "elapsed_s": time.monotonic() - started}
     (out / "bench.json").write_text(json.dumps(report, indent=1))
-    (out / "table.txt").write_text(header + "\n" + table + "\n")
+    (out / "table.txt").write_text("\n".join(text) + "\n")
     plots = write_plots(out, runs, summary)
-    log.info("wrote %s, %s%s in %.0f s", out / "bench.json", out / "table.txt",
-             "".join(f", {p.name}" for p in plots), time.monotonic() - started)
+    if plots is None:
+        print(NO_PLOTS)
+    elif plots:
+        print("plots: " + ", ".join(str(p) for p in plots))
+    log.info("wrote %s, %s in %.0f s", out / "bench.json", out / "table.txt",
+             time.monotonic() - started)
+    failed = all_failed(runs)
+    if failed:
+        print(f"error: every system that ran failed ({failed} run(s)); see the reasons above "
+              f"and {out / 'bench.json'}", file=sys.stderr)
+        return 1
     return 0
+
+
+def all_failed(runs: dict[str, dict[str, list[dict]]]) -> int:
+    """The number of failed runs when every run that was not skipped failed, else 0."""
+    ran = [r for by in runs.values() for rs in by.values() for r in rs if "skipped" not in r]
+    return len(ran) if ran and all("error" in r for r in ran) else 0
+
+
+def _streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
+    weights = sorted({s["decode_weights"] for w, by in summary.items() if w.startswith("streams-")
+                      for s in by.values() if s.get("decode_weights")})
+    used = "/".join(weights) if weights else "not measured"
+    if "int4" in weights:  # engine_proc/models/int4.py MAX_ROWS
+        used += (" (4-bit products in steps of at most 16 tokens; larger steps, such as the "
+                 "64-stream decode, run the dense weights)")
+    return (f"streams: N concurrent greedy streams, all at t=0, {sizes.streams_len}-token "
+            f"prompts, {sizes.streams_new} new tokens each (EOS ignored); decode tok/s = tokens "
+            f"after each stream's first / (last token - first first token), all streams "
+            f"together; kvscope decode weights {STREAMS_DECODE_WEIGHTS} (the app's CPU default) "
+            f"-> {used}; llama.cpp: batched llama_decode, one KV stream per sequence; "
+            f"transformers: one static batch of N")
 
 
 def _brief(result: dict) -> str:

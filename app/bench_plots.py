@@ -1,23 +1,26 @@
-"""The benchmark's PNG plots (optional: only when matplotlib is installed)."""
+"""The benchmark's PNG plots (optional: only when matplotlib, the `bench` extra, is installed)."""
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from app.bench_workloads import streams_level
+
+NO_PLOTS = ('no plots written: matplotlib is not installed (pip install "kvscope[bench]", or '
+            'pip install matplotlib)')
+
 
 def write_plots(out: Path, runs: dict[str, dict[str, list[dict]]],
-                summary: dict[str, dict[str, dict]]) -> list[Path]:
+                summary: dict[str, dict[str, dict]]) -> list[Path] | None:
+    """The PNGs written into `out`; None when matplotlib is not installed (NO_PLOTS says so)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed: no plots (pip install matplotlib)")
-        return []
+        return None
     written = []
     cols = min(3, len(runs))
     nrows = -(-len(runs) // cols)
@@ -65,5 +68,24 @@ def write_plots(out: Path, runs: dict[str, dict[str, list[dict]]],
     fig.savefig(path, dpi=100)
     plt.close(fig)
     written.append(path)
+    levels = sorted((streams_level(w), w) for w in summary if streams_level(w))
+    if levels:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for system in ("kvscope", "llamacpp", "hf"):
+            pts = [(n, summary[w].get(system, {}).get("decode_tok_s")) for n, w in levels]
+            pts = [(n, v) for n, v in pts if v is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([n for n, _ in levels], [str(n) for n, _ in levels])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("decode tok/s (all streams)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / "streams.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
     return written
 

@@ -54,6 +54,18 @@ def interference_stats(run: dict, long_id: str = "long") -> dict:
             "window_s": end - start, "itl_during_count": len(during)}
 
 
+def decode_throughput(run: dict) -> float | None:
+    """Decode tok/s of all streams together: the tokens after each stream's first, over the
+    window from the earliest first token to the latest last token (prefill and TTFT excluded;
+    one stream: 1 / its mean inter-token latency)."""
+    times = [q["token_times"] for q in run.get("requests", []) if q.get("token_times")]
+    decoded = sum(len(t) - 1 for t in times)
+    if not decoded:
+        return None
+    window = max(t[-1] for t in times) - min(t[0] for t in times)
+    return decoded / window if window > 0 else None
+
+
 def ideal_paged_occupancy(requests: list[dict], block_size: int) -> float:
     """Filled / allocated slots if every request held exactly ceil(L / block) blocks at each
     length L of its decode: the best paging can do for these lengths (the tail block's waste)."""
@@ -118,6 +130,13 @@ def summarize_workload(name: str, runs: list[dict], workload: dict) -> dict:
         s["frontend_cpu_ms_per_token"] = median_of(per, "front")
         # How much of the wall time the engine ran: well under 1 = it waited for a core.
         s["engine_cpu_share"] = median_of(per, "busy")
+    if name.startswith("streams-"):
+        s["streams"] = len(workload["requests"])
+        s["decode_tok_s"] = median_of([{"v": decode_throughput(r)} for r in ok], "v")
+        # Which weights kvscope decoded with (the workload asks for its CPU default, `auto`).
+        weights = {(r.get("model_info") or {}).get("decode_weights") for r in ok} - {None}
+        if weights:
+            s["decode_weights"] = ",".join(sorted(weights))
     kv = [r["kv"] for r in ok if r.get("kv") and r["kv"].get("paged_token_occupancy")]
     block = (ok[0].get("engine_config") or {}).get("block_size")
     if kv and block:

@@ -6,8 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.bench_stats import ratio
+from app.bench_workloads import streams_level
 
 BASELINE = "hf"
+# The issue's targets for N concurrent streams: kvscope's decode tok/s over llama.cpp's
+# (N: (bound, note)); N = 1 is a moonshot (llama.cpp's single stream is hand-tuned SIMD).
+STREAMS_TARGETS = {1: (1.0, "moonshot"), 16: (2.0, ""), 64: (2.0, "")}
 
 @dataclass(slots=True)
 class Row:
@@ -114,6 +118,49 @@ def build_rows(summary: dict[str, dict[str, dict]], ceilings: dict | None) -> li
     return [r for r in rows if r.section in keep]
 
 
+@dataclass(slots=True)
+class StreamsRow:
+    """One concurrency level of the streams-N workloads: decode tok/s of each system."""
+
+    streams: int
+    kvscope: float | None
+    llamacpp: float | None
+    hf: float | None
+    vs_llamacpp: float | None
+    vs_hf: float | None
+    target: str = ""
+    passed: bool | None = None
+
+
+def build_streams_rows(summary: dict[str, dict[str, dict]]) -> list[StreamsRow]:
+    """summary[streams-N][system]["decode_tok_s"] -> one row per N, in increasing N."""
+    rows = []
+    for w in sorted((w for w in summary if streams_level(w)), key=streams_level):
+        n = streams_level(w)
+        assert n is not None
+        tok_s = {system: summary[w].get(system, {}).get("decode_tok_s")
+                 for system in ("kvscope", "llamacpp", "hf")}
+        vs_llamacpp = ratio(tok_s["kvscope"], tok_s["llamacpp"])
+        row = StreamsRow(n, tok_s["kvscope"], tok_s["llamacpp"], tok_s["hf"], vs_llamacpp,
+                         ratio(tok_s["kvscope"], tok_s["hf"]))
+        if n in STREAMS_TARGETS:
+            bound, note = STREAMS_TARGETS[n]
+            row.target = f">= {bound:g}x llama.cpp" + (f" ({note})" if note else "")
+            row.passed = check(vs_llamacpp, ">=", bound)
+        rows.append(row)
+    return rows
+
+
+def format_streams_table(rows: list[StreamsRow]) -> str:
+    head = ("streams", "kvscope tok/s", "llama.cpp tok/s", "transformers tok/s",
+            "vs llama.cpp", "vs transformers", "target", "")
+    body = [(str(r.streams), _fmt(r.kvscope), _fmt(r.llamacpp), _fmt(r.hf),
+             "-" if r.vs_llamacpp is None else f"{r.vs_llamacpp:.2f}x",
+             "-" if r.vs_hf is None else f"{r.vs_hf:.2f}x", r.target,
+             "" if r.passed is None else ("PASS" if r.passed else "MISS")) for r in rows]
+    return _columns(head, body)
+
+
 def _fmt(x: float | None) -> str:
     if x is None:
         return "-"
@@ -127,6 +174,10 @@ def format_table(rows: list[Row]) -> str:
     body = [(r.section, r.metric, _fmt(r.value), _fmt(r.baseline), r.baseline_name,
              "-" if r.ratio is None else f"{r.ratio:.2f}x", r.target,
              "" if r.passed is None else ("PASS" if r.passed else "MISS")) for r in rows]
+    return _columns(head, body)
+
+
+def _columns(head: tuple[str, ...], body: list[tuple[str, ...]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
              for line in (head, *body)]

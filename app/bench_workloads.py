@@ -11,8 +11,12 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+# N concurrent greedy streams, all arriving at once, for N in Sizes.streams_levels: one workload
+# per N (each its own fresh process per system, like every workload), `streams` names them all.
+STREAMS_LEVELS = (1, 4, 16, 64)
+STREAMS_WORKLOADS = tuple(f"streams-{n}" for n in STREAMS_LEVELS)
 WORKLOADS = ("single", "prefill", "mixed", "mixed-poisson", "shared-prefix", "interference",
-             "streaming")
+             "streaming", *STREAMS_WORKLOADS)
 # Which systems each workload compares (llamacpp only where it is a like-for-like serving test).
 WORKLOAD_SYSTEMS = {
     "single": ("kvscope", "kvscope-int4", "hf", "llamacpp"),
@@ -23,7 +27,11 @@ WORKLOAD_SYSTEMS = {
     "interference": ("kvscope", "kvscope-nochunk"),
     # The engine process behind its two front-ends, driven by app.bench_clients.
     "streaming": ("kvscope-zmq", "kvscope-http"),
+    **{w: ("kvscope", "hf", "llamacpp") for w in STREAMS_WORKLOADS},
 }
+# kvscope's decode weights in the streams workloads: what the app runs on a CPU by default
+# (`auto`: 4-bit copies for steps of at most 16 tokens where supported, else dense).
+STREAMS_DECODE_WEIGHTS = "auto"
 
 
 @dataclass(slots=True)
@@ -48,6 +56,10 @@ class Sizes:
     streams_n: int = 32  # concurrent streams, all arriving at once
     streams_prompt: tuple[int, int] = (56, 72)  # prompt length range (~64 tokens)
     streams_out: int = 128  # new tokens per stream (greedy, EOS ignored)
+    # the streams-N workloads (N concurrent greedy streams)
+    streams_levels: tuple[int, ...] = STREAMS_LEVELS  # which N `--workloads streams` runs
+    streams_len: int = 29  # prompt tokens of every stream (the issue's table)
+    streams_new: int = 128  # new tokens of every stream, EOS ignored
     hf_batch: int = 8
 
 
@@ -58,8 +70,36 @@ QUICK = Sizes(
     shared_n=4, shared_prefix=512, shared_user=16, shared_out=2,
     interf_streams=4, interf_long=256, interf_chunk=32, interf_warm=4, interf_tail=4,
     streams_out=32,  # still 32 streams: the HTTP target is about that many at once
+    streams_levels=(1, 4, 16), streams_new=32,
     hf_batch=4,  # three static batches for twelve requests, like 64 requests in batches of 8
 )
+
+
+def streams_level(name: str) -> int | None:
+    """N of a streams-N workload name, else None."""
+    prefix, _, n = name.partition("-")
+    return int(n) if prefix == "streams" and n.isdigit() else None
+
+
+def expand_workloads(names: list[str], sizes: Sizes) -> list[str]:
+    """`--workloads` names with `streams` replaced by the streams-N workloads of `sizes`; raises
+    ValueError naming unknown ones."""
+    out: list[str] = []
+    for name in names:
+        group = [f"streams-{n}" for n in sizes.streams_levels] if name == "streams" else [name]
+        for w in group:
+            if w not in WORKLOADS:
+                raise ValueError(f"unknown workload {w!r}; allowed: {', '.join(WORKLOADS)} "
+                                 "and streams (the streams-N workloads)")
+            if w not in out:
+                out.append(w)
+    return out
+
+
+def default_workloads(sizes: Sizes) -> list[str]:
+    """Every workload, the streams-N ones at the levels of `sizes`."""
+    return expand_workloads([w for w in WORKLOADS if streams_level(w) is None] + ["streams"],
+                            sizes)
 
 
 class Vocab:
@@ -94,6 +134,7 @@ def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab) -> dict:
     s = sizes
     engine: dict[str, Any] = {}
     meta: dict[str, Any] = {}
+    hf_batch = s.hf_batch
     if name == "single":
         reqs = [_request("r0", vocab.draw(rng, s.single_prompt), s.single_new, arrival_s=0.0)]
     elif name == "prefill":
@@ -129,10 +170,18 @@ def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab) -> dict:
         engine = {"long_prefill_chunk": s.interf_chunk,
                   "max_num_batched_tokens": max(2048, s.interf_chunk + s.interf_streams)}
         meta["long_id"] = "long"
+    elif streams_level(name) is not None:
+        n = streams_level(name)
+        rng = random.Random(f"{seed}:streams")  # streams-4's prompts begin streams-16's
+        reqs = [_request(f"s{i}", vocab.draw(rng, s.streams_len), s.streams_new, arrival_s=0.0)
+                for i in range(n)]
+        engine = {"decode_weights": STREAMS_DECODE_WEIGHTS}
+        meta.update(streams=n, decode_weights=STREAMS_DECODE_WEIGHTS)
+        hf_batch = n  # transformers serves all N in one static batch (no padding: same length)
     else:  # streaming
         reqs = [_request(f"s{i}", vocab.draw(rng, rng.randint(*s.streams_prompt)),
                          s.streams_out, arrival_s=0.0) for i in range(s.streams_n)]
         # Shorter than one KV block, so the warm-up leaves nothing the prefix cache could hit.
         meta["warmup_prompt"] = vocab.draw(rng, 8)
     return {"name": name, "seed": seed, "requests": reqs, "engine": engine,
-            "hf_batch": s.hf_batch, "meta": meta}
+            "hf_batch": hf_batch, "meta": meta}
