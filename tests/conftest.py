@@ -1,6 +1,15 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# The engine caches converted tokenizers under ~/.cache/kvscope; the suite (and the engine
+# processes it spawns, which inherit this) uses a cache of its own, emptied with the temp dir.
+if "KVSCOPE_CACHE_DIR" not in os.environ:
+    os.environ["KVSCOPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvscope-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KVSCOPE_CACHE_DIR"], ignore_errors=True)
 
 # Triton decides between compiled and interpreted kernels at import: without a GPU the kernels
 # run on CPU tensors through the interpreter.

