@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.supervisor import DECODE_WEIGHTS, DTYPES
+from app.supervisor import DECODE_WEIGHTS, DTYPES, KV_CACHE_DTYPES, KV_DISK_SUBDIR
 
 SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench", "serve": "app.api.serve"}
 
@@ -155,7 +155,7 @@ def run_gui(args: argparse.Namespace) -> int:
     ddir = data_dir(args.data_dir)
     settings = open_settings(args.data_dir)
     store = ConversationStore(ddir / "conversations")
-    options = _engine_options(args, settings)
+    options = _engine_options(args, settings, ddir)
     from app.remote.probe import is_http_url, normalize_url
 
     connect = "demo://" if args.demo else args.connect
@@ -186,8 +186,9 @@ def run_gui(args: argparse.Namespace) -> int:
     return app.exec()
 
 
-def _engine_options(args: argparse.Namespace, settings) -> Any:
-    """Command-line values win; the rest come from the last session (QSettings)."""
+def _engine_options(args: argparse.Namespace, settings, ddir: Path | None = None) -> Any:
+    """Command-line values win; the rest come from the last session (QSettings). The disk KV
+    tier lives in `ddir`/kv-cache (no disk tier without a data directory)."""
     from app.supervisor import EngineOptions, gui_engine_threads
 
     def pick(name: str, kind: type, choices: tuple[str, ...] | None = None):
@@ -212,8 +213,46 @@ def _engine_options(args: argparse.Namespace, settings) -> Any:
         decode_weights=pick("decode_weights", str, DECODE_WEIGHTS) or "auto",
         # `--engine-args "--num-threads N"` comes later on the command line and wins.
         num_threads=gui_engine_threads(),
+        **_kv_options(settings, ddir),
         extra_args=shlex.split(args.engine_args),
     )
+
+
+# Largest remembered tier sizes taken as they are (a bigger one is a typo, not a wish).
+KV_HOST_MAX_BYTES = 1 << 40
+KV_DISK_MAX_BYTES = 1 << 44
+
+
+def _kv_options(settings, ddir: Path | None) -> dict[str, Any]:
+    """EngineOptions' KV fields from *Engine → KV cache* (engine/kv_cache_dtype,
+    engine/kv_host_memory and engine/kv_disk_bytes). A value that is not one the engine takes is
+    dropped; so is int8 next to a tier (the engine cannot combine them yet, and must start)."""
+
+    def stored_bytes(key: str, most: int) -> int:
+        value = settings.value(f"engine/{key}")
+        if isinstance(value, bool):
+            return 0
+        try:
+            n = int(value) if value not in (None, "") else 0
+        except (TypeError, ValueError):
+            return 0
+        return n if 0 < n <= most else 0
+
+    dtype = settings.value("engine/kv_cache_dtype")
+    dtype = dtype if isinstance(dtype, str) and dtype in KV_CACHE_DTYPES else None
+    host = stored_bytes("kv_host_memory", KV_HOST_MAX_BYTES)
+    disk = stored_bytes("kv_disk_bytes", KV_DISK_MAX_BYTES) if ddir is not None else 0
+    if dtype == "int8" and (host or disk):
+        logging.getLogger(__name__).warning(
+            "settings ask for an int8 KV cache and a lower KV tier, which the engine cannot "
+            "combine yet: starting with the model's dtype")
+        dtype = "auto"
+    return {
+        "kv_cache_dtype": dtype,
+        "kv_host_memory": host or None,
+        "kv_disk_bytes": disk or None,
+        "kv_disk_dir": str(Path(ddir) / KV_DISK_SUBDIR) if disk and ddir is not None else None,
+    }
 
 
 def _when_ready(win, fn) -> None:
@@ -329,9 +368,15 @@ def _measure(app, win, args) -> int:
         for name, d in win.perf.items():
             if d:
                 a = np.asarray(d) * 1e3
+                capped = getattr(d, "maxlen", None) == len(a)  # a deque keeps the last N only
+                busy = (
+                    f"the last {len(a):,} calls"
+                    if capped
+                    else f"{len(a)} calls, busy {a.sum() / el / 10:.1f}% of the time"
+                )
                 print(
-                    f"  GUI handler '{name}': {len(a)} calls, mean {a.mean():.1f} ms, p99 "
-                    f"{np.percentile(a, 99):.1f} ms, busy {a.sum() / el / 10:.1f}% of the time"
+                    f"  GUI handler '{name}': mean {a.mean():.1f} ms, p99 "
+                    f"{np.percentile(a, 99):.1f} ms over {busy}"
                 )
         print(
             f"  GUI process CPU: {cpu * 100:.0f}% of one core (all its threads); machine load "

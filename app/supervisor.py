@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # What `engine_proc serve` accepts (app/ must not import engine_proc to ask it).
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_WEIGHTS = ("auto", "dense", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")
+KV_DISK_SUBDIR = "kv-cache"  # the disk KV tier's directory, inside the app's data directory
 
 
 @dataclass(slots=True)
@@ -43,6 +45,12 @@ class EngineOptions:
     max_model_len: int | None = None
     decode_weights: str | None = None
     num_threads: int | None = None  # torch threads of a CPU engine; None = torch's default
+    # KV element type ("auto" | "int8") and the lower KV tiers (bytes; a directory); int8 cannot
+    # be combined with the tiers yet (the engine refuses to start).
+    kv_cache_dtype: str | None = None
+    kv_host_memory: int | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int | None = None
     # The engine checks client silence only between steps, so one long CPU step could make it
     # drop the GUI (and abort its requests); the GUI is its only client, so be patient.
     client_timeout: float | None = 120.0
@@ -55,6 +63,10 @@ class EngineOptions:
                             ("--max-model-len", self.max_model_len),
                             ("--decode-weights", self.decode_weights),
                             ("--num-threads", self.num_threads),
+                            ("--kv-cache-dtype", self.kv_cache_dtype),
+                            ("--kv-host-memory", self.kv_host_memory),
+                            ("--kv-disk-dir", self.kv_disk_dir),
+                            ("--kv-disk-bytes", self.kv_disk_bytes),
                             ("--client-timeout", self.client_timeout)):
             if value is not None:
                 args += [flag, str(value)]

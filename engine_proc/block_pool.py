@@ -7,6 +7,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine_proc.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventLog,
+)
+
 
 @dataclass(slots=True)
 class KVBlock:
@@ -14,6 +22,8 @@ class KVBlock:
     ref_count: int = 0
     block_hash: bytes | None = None  # set once the block is full and its prefix is known
     parent: int = -1  # block holding the previous link of the hash chain (for drawing the tree)
+    parent_hash: bytes | None = None  # the previous link's hash (None: a prompt's first block)
+    token_ids: tuple[int, ...] = ()  # the block's tokens (KV event replays describe them)
 
 
 class BlockPool:
@@ -32,6 +42,7 @@ class BlockPool:
         # Called with a cached block about to lose its contents to reuse (lower KV tiers write
         # it down here); None = evicted prefixes are simply gone.
         self.on_evict: Callable[[KVBlock], None] | None = None
+        self.events: KVEventLog | None = None  # engine_proc/kv_events.py; None = not recorded
 
     @property
     def num_free(self) -> int:
@@ -69,14 +80,27 @@ class BlockPool:
         block_id = self.hash_to_block.get(block_hash)
         return None if block_id is None else self.blocks[block_id]
 
-    def cache(self, block: KVBlock, block_hash: bytes, parent: int) -> None:
+    def cache(
+        self,
+        block: KVBlock,
+        block_hash: bytes,
+        parent: int,
+        parent_hash: bytes | None = None,
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.hash_to_block:
             return  # an identical block is already indexed; this one stays a private copy
         block.block_hash = block_hash
         block.parent = parent
+        block.parent_hash = parent_hash
         self.hash_to_block[block_hash] = block.block_id
+        block.token_ids = tuple(token_ids)
+        if self.events is not None:
+            self.events.append(
+                BlockStored(block_hash, parent_hash, list(token_ids), block.block_id)
+            )
 
     def uncache(self, block: KVBlock) -> None:
         self._drop_hash(block)
@@ -94,12 +118,42 @@ class BlockPool:
     def set_caching(self, enabled: bool) -> None:
         if not enabled:
             for block in self.blocks:
-                self._drop_hash(block)
+                self._drop_hash(block, quiet=True)
+            if self.events is not None:
+                self.events.append(AllBlocksCleared())
         self.enable_caching = enabled
 
-    def _drop_hash(self, block: KVBlock) -> None:
+    def replay_events(self) -> None:
+        """Queue the whole index as if built from nothing (see replay_event_list). Not bounded
+        by the log's limit: a replay is at most one event per block."""
+        if self.events is not None:
+            self.events.events.extend(self.replay_event_list())
+
+    def replay_event_list(self) -> list[KVEvent]:
+        """AllBlocksCleared, then a BlockStored per cached block, parents before children: what
+        a subscriber that lost events rebuilds its tree from."""
+        out: list[KVEvent] = [AllBlocksCleared()]
+        by_hash = {h: self.blocks[i] for h, i in self.hash_to_block.items()}
+        done: set[bytes] = set()
+        for block in by_hash.values():
+            chain: list[KVBlock] = []
+            b: KVBlock | None = block
+            while b is not None and b.block_hash not in done:
+                chain.append(b)
+                b = by_hash.get(b.parent_hash) if b.parent_hash is not None else None
+            for b in reversed(chain):
+                assert b.block_hash is not None
+                done.add(b.block_hash)
+                out.append(BlockStored(b.block_hash, b.parent_hash, list(b.token_ids), b.block_id))
+        return out
+
+    def _drop_hash(self, block: KVBlock, quiet: bool = False) -> None:
         if block.block_hash is not None:
             if self.hash_to_block.get(block.block_hash) == block.block_id:
                 del self.hash_to_block[block.block_hash]
+            if self.events is not None and not quiet:
+                self.events.append(BlockRemoved(block.block_hash))
             block.block_hash = None
             block.parent = -1
+            block.parent_hash = None
+            block.token_ids = ()

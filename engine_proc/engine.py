@@ -18,6 +18,7 @@ from engine_proc.attention.kv_quant import Int8TorchAttentionBackend, kv_int8_by
 from engine_proc.config import EngineConfig
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.kv_cache_manager import KVCacheManager, root_hash
+from engine_proc.kv_events import KVEvent, KVEventLog
 from engine_proc.kv_tiers import KVTiers, model_fingerprint
 from engine_proc.metrics import RequestHistograms
 from engine_proc.model_loader import Checkpoint, load_checkpoint
@@ -528,6 +529,26 @@ class LLMEngine:
         self.kv.pool.set_caching(enabled)
         return self.live_config()
 
+    def enable_kv_events(self) -> None:
+        """Record KV cache events (engine_proc/kv_events.py) for drain_kv_events()."""
+        if self.kv.pool.events is None:
+            self.kv.pool.events = KVEventLog()
+            self.kv.pool.replay_events()  # whatever is already cached
+
+    def drain_kv_events(self) -> tuple[list[KVEvent], bool]:
+        """Events since the last call, and whether a replay had to replace lost ones."""
+        log = self.kv.pool.events
+        if log is None:
+            return [], False
+        events, overflowed = log.drain()
+        if overflowed:  # the log was not drained in time: describe the index from scratch
+            events = self.kv.pool.replay_event_list()
+        return events, overflowed
+
+    def replay_kv_events(self) -> None:
+        """Queue AllBlocksCleared and the whole index, for subscribers that lost events."""
+        self.kv.pool.replay_events()
+
     def reset_prefix_cache(self) -> bool:
         dropped = self.kv.pool.reset_prefix_cache()
         if self.kv.tiers is not None:  # the next request recomputes: lower tiers are emptied too
@@ -549,6 +570,7 @@ class LLMEngine:
 
     def model_info(self) -> dict[str, Any]:
         mc = self.model_config
+        tiers = self.kv.tiers
         return {
             "name": self.checkpoint_name,
             "model_id": self.model_id,
@@ -562,6 +584,10 @@ class LLMEngine:
             "device": str(self.device),
             "attention_backend": self.backend.name,
             "decode_weights": self.decode_weights,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            # lower KV tiers (engine_proc/kv_tiers.py): their capacity in bytes, 0 = no such tier
+            "kv_host_bytes": self.config.kv_host_memory if tiers and tiers.host else 0,
+            "kv_disk_bytes": tiers.disk.capacity_bytes if tiers and tiers.disk else 0,
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "kv_bytes_per_token": self.kv_bytes_per_token,

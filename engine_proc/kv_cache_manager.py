@@ -101,7 +101,14 @@ class KVCacheManager:
                 if self.tiers.load(h, block.block_id) is None:  # corrupt entry: a miss
                     pool.free(block)
                     break
-                pool.cache(block, h, hit[-1].block_id if hit else -1)
+                i = len(hit)
+                pool.cache(
+                    block,
+                    h,
+                    hit[-1].block_id if hit else -1,
+                    hashes[i - 1] if i else None,
+                    tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]),
+                )
                 assert block.block_hash == h
                 hit.append(block)
                 seq.num_external_cached_tokens += self.block_size
@@ -183,11 +190,13 @@ class KVCacheManager:
             return
         hashes = self.full_block_hashes(seq, num_full)
         write_through = self.tiers is not None and self.tiers.write_through
+        bs = self.block_size
         for i in range(first, num_full):
             h = hashes[i]
             parent = seq.block_table[i - 1] if i else -1
             block = self.pool.blocks[seq.block_table[i]]
-            self.pool.cache(block, h, parent)
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache(block, h, parent, hashes[i - 1] if i else None, tokens)
             if write_through and block.block_hash == h:
                 self.pending_stores.append((block.block_id, h))
 

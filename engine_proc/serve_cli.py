@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--max-pending", type=int, default=4096)
     s.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="do not publish KV cache events (PUB topic kv_events; the window's prefix tree)",
+    )
+    s.add_argument(
         "--allow-remote",
         action="store_true",
         help="allow non-loopback binds (needs --token or $KVSCOPE_TOKEN)",
@@ -149,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
             allow_remote=args.allow_remote,
             token=token,
             max_pending=args.max_pending,
+            kv_events=args.kv_events,
         )
     except ValueError as exc:
         log.error("%s", exc)

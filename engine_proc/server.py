@@ -25,6 +25,7 @@ from engine_proc.wire import (
     delta_of,
     finish_of,
     ids_of_undecodable,
+    kv_event_batch,
     live_config_of,
     synthetic_finish,
     telemetry_from_snapshot,
@@ -50,6 +51,7 @@ class ServerConfig:
     allow_remote: bool = False
     token: str | None = None
     max_pending: int = 4096  # requests in flight over all clients
+    kv_events: bool = True  # publish KV cache events (topic kv_events, ipc/kv_events.py)
 
     def __post_init__(self) -> None:
         if not self.telemetry_hz > 0:
@@ -102,6 +104,7 @@ class EngineServer:
         self._stop_reason: str | None = None
         self._dead: set[bytes] = set()  # clients whose sends failed during this turn
         self._telemetry_seq = 0
+        self._kv_events_seq = 0
         self._last_telemetry = 0.0
         self._telemetry_dirty = True
         self._last_heartbeat = 0.0
@@ -141,6 +144,8 @@ class EngineServer:
                 if k in P.ModelInfo.__struct_fields__
             }
         )
+        if self.cfg.kv_events and hasattr(self.engine, "enable_kv_events"):
+            self.engine.enable_kv_events()
         return self.endpoint, self.pub_endpoint
 
     def request_stop(self, reason: str) -> None:
@@ -412,6 +417,10 @@ class EngineServer:
                 self.engine.set_prefix_caching(bool(msg.enable_prefix_caching))
             elif msg.op == "reset_prefix_cache":
                 result = bool(self.engine.reset_prefix_cache())
+            elif msg.op == "replay_kv_events":
+                if not hasattr(self.engine, "replay_kv_events"):
+                    raise ValueError("this engine publishes no KV cache events")
+                self.engine.replay_kv_events()
             elif msg.op == "pause":
                 self.paused = True
             elif msg.op == "resume":
@@ -581,7 +590,28 @@ class EngineServer:
         except zmq.Again:
             pass  # a slow subscriber loses snapshots; the engine never waits for it
 
+    def _publish_kv_events(self) -> None:
+        """What the prefix cache stored and removed since the last tick, one batch."""
+        drain = getattr(self.engine, "drain_kv_events", None)
+        if drain is None:
+            return
+        try:
+            events, overflowed = drain()
+        except Exception:
+            log.exception("draining KV cache events failed")
+            return
+        if overflowed:
+            log.warning("KV cache events overflowed before a tick; published a replay instead")
+        if events:
+            self._kv_events_seq += 1
+            assert self._model_info is not None
+            batch = kv_event_batch(
+                events, self._kv_events_seq, time.monotonic(), self._model_info.block_size
+            )
+            self._publish(P.TOPIC_KV_EVENTS, batch)
+
     def _publish_telemetry(self) -> None:
+        self._publish_kv_events()  # first: a view joins them with this snapshot's blocks
         self._last_telemetry = time.monotonic()
         self._telemetry_dirty = False
         try:
@@ -593,6 +623,7 @@ class EngineServer:
         except Exception:
             log.exception("engine.snapshot() failed; no telemetry this time")
             return
+        msg.kv_events_seq = self._kv_events_seq
         self._publish(P.TOPIC_TELEMETRY, msg)
 
     def _origins(self) -> dict[str, str]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from ipc import kv_events as K
 from ipc import protocol as P
 
 
@@ -167,3 +168,42 @@ def ids_of_undecodable(data: bytes) -> tuple[str | None, str | None]:
         rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None,
         ctl if isinstance(ctl, str) and len(ctl) <= 256 else None,
     )
+
+
+def kv_event_batch(events: list[Any], seq: int, now: float, block_size: int) -> K.KVEventBatch:
+    """engine_proc.kv_events -> one wire batch. Consecutive BlockStored events of one chain
+    (each the parent of the next, as a prefill stores them) become one event with several
+    hashes, and consecutive removals one BlockRemoved, as vLLM batches them."""
+    out: list[K.KVEventWire] = []
+    for e in events:
+        last = out[-1] if out else None
+        if hasattr(e, "token_ids"):  # BlockStored
+            if (
+                isinstance(last, K.BlockStored)
+                and last.medium == e.medium
+                and e.parent_block_hash == last.block_hashes[-1]
+                and len(e.token_ids) == block_size
+                and len(last.token_ids) == block_size * len(last.block_hashes)
+            ):
+                last.block_hashes.append(e.block_hash)
+                last.token_ids.extend(e.token_ids)
+                last.block_ids.append(e.block_id)
+            else:
+                out.append(
+                    K.BlockStored(
+                        block_hashes=[e.block_hash],
+                        parent_block_hash=e.parent_block_hash,
+                        token_ids=list(e.token_ids),
+                        block_size=block_size,
+                        block_ids=[e.block_id],
+                        medium=e.medium,
+                    )
+                )
+        elif hasattr(e, "block_hash"):  # BlockRemoved
+            if isinstance(last, K.BlockRemoved) and last.medium == e.medium:
+                last.block_hashes.append(e.block_hash)
+            else:
+                out.append(K.BlockRemoved(block_hashes=[e.block_hash], medium=e.medium))
+        else:
+            out.append(K.AllBlocksCleared(medium=e.medium))
+    return K.KVEventBatch(seq=seq, time=now, events=out)

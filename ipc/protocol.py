@@ -18,12 +18,15 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 import numpy as np
 
+from ipc import kv_events as K
+
 PROTOCOL_VERSION = 1
 
 # PUB topics (first frame of every published message)
 TOPIC_TELEMETRY = b"telemetry"
 TOPIC_HEARTBEAT = b"heartbeat"
 TOPIC_GOODBYE = b"goodbye"
+TOPIC_KV_EVENTS = K.TOPIC_KV_EVENTS  # KV cache events (ipc/kv_events.py)
 
 # Size limits (ZMQ_MAXMSGSIZE); a bigger inbound message makes ZMQ drop the connection.
 MAX_CLIENT_MESSAGE_BYTES = 1 << 20  # what the engine's ROUTER accepts
@@ -76,6 +79,7 @@ ControlOp = Literal[
     "pause",
     "resume",
     "shutdown",
+    "replay_kv_events",  # publish AllBlocksCleared and the whole prefix index (ipc/kv_events.py)
 ]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -137,6 +141,9 @@ class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_pool_bytes: int = 0  # num_blocks x block_size x kv_bytes_per_token
     decode_weights: str = ""  # "dense" or "int4" (4-bit copies for decode-sized products)
     cuda_graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs; [] = eager
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "int8" (+ a float16 scale/token)
+    kv_host_bytes: int = 0  # host-memory KV tier below the pool; 0 = none
+    kv_disk_bytes: int = 0  # disk KV tier (survives restarts); 0 = none
 
 
 class LiveConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -433,6 +440,7 @@ class Telemetry(_EngineMsg, tag="telemetry", kw_only=True):
     # Cumulative since start (names below); empty from engines that keep none.
     histograms: dict[str, Histogram] = msgspec.field(default_factory=dict)
     finished_reasons: dict[str, int] = msgspec.field(default_factory=dict)  # stop/length/abort/..
+    kv_events_seq: int = 0  # seq of the last KV event batch published before this snapshot
 
 
 # Histogram names in Telemetry.histograms (vLLM's metric names without prefix and unit suffix
@@ -456,7 +464,7 @@ HISTOGRAM_NAMES = (
 
 ClientMessage = Hello | Generate | Tokenize | Detokenize | Abort | Control | Heartbeat | Goodbye
 EngineMessage = Welcome | Delta | Finish | Tokenized | ControlAck | Error | Heartbeat | Goodbye
-PubMessage = Telemetry | Heartbeat | Goodbye
+PubMessage = Telemetry | Heartbeat | Goodbye | K.KVEventBatch
 
 CLIENT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in get_args(ClientMessage))
 

@@ -21,10 +21,13 @@ from PySide6.QtCore import QObject, Signal
 from app.load_generator import LoadConfig, LoadGenerator, drive
 from ipc import protocol as P
 from ipc.client import ERR_ENGINE_GONE, EngineConnection
+from ipc.kv_events import KVEventBatch
+from ui.prefix_tree_layout import TreeTracker
 from ui.telemetry import GUI_ORIGIN, Frame
 
 log = logging.getLogger(__name__)
 
+TREE_REPLAY_ID = "gui-tree-replay"  # the worker's own control requests (not the panel's)
 LOST_AFTER_FRAMES = 40  # ~2 s of telemetry at 20 Hz; a finished request's Finish comes first
 
 
@@ -38,6 +41,7 @@ class EngineLink(QObject):
     stalled = Signal(str)  # no word from the engine for `stall_timeout` seconds
     recovered = Signal()  # words again after a stall
     goodbye = Signal(str)  # the engine said it is shutting down
+    prefix_tree = Signal(object, bool)  # TreeLayout, whether the tree has every event batch
     finished = Signal()  # the worker thread has closed its sockets and ended
 
     def __init__(self, endpoint: str, *, token: str | None = None, poll_ms: int = 20,
@@ -58,6 +62,7 @@ class EngineLink(QObject):
         self._ids = 0
         # request id -> consecutive telemetry frames without it (see _find_lost)
         self._absent: dict[str, int] = {}
+        self.tree = TreeTracker()  # `tree.wanted` is set by the GUI while the panel shows
 
     # --- GUI-thread API (queue only) -------------------------------------------------------
     def start(self) -> None:
@@ -174,6 +179,7 @@ class EngineLink(QObject):
                 return
             msgs = conn.poll(0)
             self._dispatch(msgs, gen)
+            self._track_tree(conn, msgs)
             msgs += self._find_lost(msgs, gen)
             if gen.running or gen.in_flight:
                 drive(conn, gen, msgs)
@@ -259,6 +265,17 @@ class EngineLink(QObject):
             self.replies.emit(chat)
         return [e for e in lost if gen.owns(e.request_id)]
 
+    def _track_tree(self, conn: EngineConnection, msgs: list[Any]) -> None:
+        now = time.monotonic()
+        for msg in msgs:
+            if isinstance(msg, KVEventBatch):
+                self.tree.on_batch(msg)
+            elif isinstance(msg, P.Telemetry) and self.tree.needs_replay(msg.kv_events_seq, now):
+                conn.submit_control("replay_kv_events", control_id=TREE_REPLAY_ID)
+        layout = self.tree.maybe_layout(now)
+        if layout is not None:
+            self.prefix_tree.emit(layout, not self.tree.tree.stale)
+
     def _dispatch(self, msgs: list[Any], gen: LoadGenerator) -> None:
         replies: list[Any] = []
         frames: list[Frame] = []
@@ -274,9 +291,12 @@ class EngineLink(QObject):
                     if isinstance(msg, P.Finish):
                         self._chat_ids.discard(msg.request_id)
             elif isinstance(msg, P.ControlAck):
-                self.control_reply.emit(msg)
+                if msg.control_id != TREE_REPLAY_ID:
+                    self.control_reply.emit(msg)
             elif isinstance(msg, P.Error):
-                if msg.control_id:
+                if msg.control_id == TREE_REPLAY_ID:
+                    log.info("no KV event replay from this engine: %s", msg.message)
+                elif msg.control_id:
                     self.control_reply.emit(msg)
                 elif msg.request_id in self._chat_ids:
                     if msg.code != P.ERR_UNKNOWN_REQUEST:

@@ -6,8 +6,8 @@ parts share (the link, the supervisor, the state, the histories) and links the c
 map. Each other concept has its own module, a collaborator holding a reference to the window:
 
 - ui/window_engine.py (`window.lifecycle`): `EngineSource`, spawning or attaching to the engine
-  (one `EngineLink` worker thread carries all ZeroMQ traffic), restart, *Decode weights*, the
-  error banner when the engine fails or stops answering.
+  (one `EngineLink` worker thread carries all ZeroMQ traffic), restart, *Decode weights* and
+  *KV cache*, the error banner when the engine fails or stops answering.
 - ui/window_remote.py (`window.remote`): `--connect http://HOST:PORT` or *Engine → Connect to
   server…*: vLLM, SGLang, llama.cpp's server or a KVScope front-end, through one `RemoteLink`
   worker thread (ui/remote_link.py). A KVScope server feeds the same block map and charts from its
@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (
     QPushButton,
     QSplitter,
     QStackedWidget,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
@@ -56,6 +57,7 @@ from ui.controls import ControlsPanel, LoadPanel, config_dict
 from ui.engine_link import EngineLink
 from ui.kv_aggregate import KvAggregateWidget
 from ui.metrics_history import MetricsHistory
+from ui.prefix_tree import PrefixTreePanel
 from ui.remote_charts import MetricsChartsWidget
 from ui.remote_link import RemoteLink
 from ui.status_bar import StatusBarView
@@ -107,6 +109,7 @@ class MainWindow(QMainWindow):
 
         self.chat = ChatPanel(store, load_sampling(settings))
         self.block_map = BlockMapWidget()
+        self.prefix_tree = PrefixTreePanel()
         self.charts = ChartsWidget()
         self.kv_aggregate = KvAggregateWidget()
         self.metric_charts = MetricsChartsWidget()
@@ -172,8 +175,13 @@ class MainWindow(QMainWindow):
         bot.addWidget(self.load_panel, 2)
 
         # per-block views, or (servers without per-block telemetry) the aggregate ones
+        self.kv_tabs = QTabWidget()
+        self.kv_tabs.setDocumentMode(True)
+        self.kv_tabs.addTab(self.block_map, "Blocks")
+        self.kv_tabs.addTab(self.prefix_tree, "Prefix tree")
+        self.kv_tabs.currentChanged.connect(lambda _: self.sync_tree_wanted())
         self.kv_stack = QStackedWidget()
-        self.kv_stack.addWidget(self.block_map)
+        self.kv_stack.addWidget(self.kv_tabs)
         self.kv_stack.addWidget(self.kv_aggregate)
         self.chart_stack = QStackedWidget()
         self.chart_stack.addWidget(self.charts)
@@ -221,6 +229,7 @@ class MainWindow(QMainWindow):
         menu.addSeparator()
         self.decode_weights_menu, self.decode_weight_actions = (
             self.lifecycle.add_decode_weights_menu(menu))
+        self.kv_cache_menu, self.kv_cache_actions = self.lifecycle.add_kv_cache_menu(menu)
         menu.addSeparator()
         api = self.api_action = QAction("Serve &OpenAI API…", self, checkable=True)
         api.triggered.connect(self.api_toggle.on_triggered)
@@ -232,11 +241,18 @@ class MainWindow(QMainWindow):
         """What the Engine menu offers depends on what the window is attached to."""
         remote = self.source.is_remote
         weights, api = self.decode_weights_menu, self.api_action
-        weights.setEnabled(not self.source.connect)
-        weights.setToolTip(
+        attached_tip = (
             "" if not self.source.connect else
             "set when the engine starts; this window watches a server over HTTP" if remote else
             "set when the engine starts; this window attached to a running one")
+        for sub, tip in ((weights, ""), (self.kv_cache_menu, "the KV pool's element type and "
+                          "the tiers below it; a change restarts the engine")):
+            sub.setEnabled(not self.source.connect)
+            sub.setToolTip(attached_tip)
+            sub.menuAction().setToolTip(attached_tip or tip)
+        disk = self.kv_cache_actions["disk"]
+        for value, action in disk.items():  # the tier's files live in the data directory
+            action.setEnabled(not value or self.data_dir is not None)
         api.setEnabled(not remote and not self.source.is_demo)
         api.setToolTip("the window is watching a server over HTTP; it has an API of its own"
                        if remote else
@@ -260,10 +276,22 @@ class MainWindow(QMainWindow):
         whatever it was started with)."""
         self.lifecycle.set_decode_weights(value)
 
-    def _confirm_restart(self, in_flight: int) -> bool:
+    def set_kv_cache_dtype(self, value: str) -> None:
+        """*Engine → KV cache → Element type*: "auto" or "int8" (int8 turns the tiers off)."""
+        self.lifecycle.set_kv_cache_dtype(value)
+
+    def set_kv_host_memory(self, nbytes: int) -> None:
+        """*Engine → KV cache → Host memory tier*: bytes, 0 = off (int8 goes back to auto)."""
+        self.lifecycle.set_kv_host_memory(nbytes)
+
+    def set_kv_disk_bytes(self, nbytes: int) -> None:
+        """*Engine → KV cache → Disk tier*: bytes in <data dir>/kv-cache, 0 = off."""
+        self.lifecycle.set_kv_disk_bytes(nbytes)
+
+    def _confirm_restart(self, in_flight: int, what: str = "the decode weights") -> bool:
         answer = QMessageBox.question(
             self, "Restart the engine",
-            f"Changing the decode weights restarts the engine: {in_flight} reply(s) in progress "
+            f"Changing {what} restarts the engine: {in_flight} reply(s) in progress "
             "will stop (the text so far is kept). Restart now?")
         return answer == QMessageBox.StandardButton.Yes
 
@@ -297,9 +325,17 @@ class MainWindow(QMainWindow):
             # a chat over HTTP has another id in the engine: found once the server names it
             self.want_highlight = rid
             self.block_map.highlight_request(self.remote.engine_rid(rid))
+            self.prefix_tree.highlight_request(self.remote.engine_rid(rid))
             return
         self.want_highlight = None
         self.block_map.highlight_request(rid or None)
+        self.prefix_tree.highlight_request(rid or None)
+
+    def sync_tree_wanted(self) -> None:
+        """The link's worker lays the prefix tree out only while its tab is shown."""
+        tracker = getattr(self.link, "tree", None)
+        if tracker is not None:
+            tracker.wanted = self.kv_tabs.currentWidget() is self.prefix_tree
 
     def _on_block_request_selected(self, rid: str) -> None:
         """A request picked in the block map: show its conversation when it is one of ours."""

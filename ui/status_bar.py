@@ -1,6 +1,7 @@
 """The main window's status bar: engine state, loading progress, the model and its KV pool (with
-the `2 · L · H_kv · D · bytes` formula), the OpenAI API's URL and load, and in orange what a
-server watched over HTTP does not report."""
+the `2 · L · H_kv · D · bytes` formula, int8's scales, the lower KV tiers' sizes) and a line with
+the tiers' blocks and hits, the OpenAI API's URL and load, and in orange what a server watched
+over HTTP does not report."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ STATE_COLOURS = {
     "not answering": "#f58231", "disconnected": "#e6194b", "stopped": "#8a909c",
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "fp8": 1, "int8": 1}
+# An int8 KV cache keeps a float16 scale per token, layer, K/V and KV head beside the int8 values
+# (engine_proc/attention/kv_quant.py kv_int8_bytes_per_token).
+INT8_SCALE_BYTES = 2
 
 
 def human_bytes(n: float) -> str:
@@ -27,13 +31,55 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def short_bytes(n: int) -> str:
+    """'256 MiB', '1 GiB', '1.5 GiB' (human_bytes without a needless '.0')."""
+    text = human_bytes(n)
+    return text.replace(".0 ", " ")
+
+
 def kv_formula(model: object) -> str:
-    """'KV/token 2·L·H_kv·D·bytes = 2·30·3·64·4 = 46,080 B'."""
+    """'KV/token 2·L·H_kv·D·bytes = 2·30·3·64·4 = 46,080 B'; with an int8 KV cache
+    'KV/token int8 2·L·H_kv·(D·1 + 2 scale) = 2·30·3·(64·1 + 2) = 11,880 B'."""
     L, H, D = model.num_layers, model.num_kv_heads, model.head_dim  # noqa: N806
+    if getattr(model, "kv_cache_dtype", "auto") == "int8":
+        s = INT8_SCALE_BYTES
+        if 2 * L * H * (D + s) != model.kv_bytes_per_token:  # another layout: just the total
+            return f"KV/token int8 {model.kv_bytes_per_token:,} B"
+        return (f"KV/token int8 2·L·H_kv·(D·1 + {s} scale) = 2·{L}·{H}·({D}·1 + {s}) = "
+                f"{model.kv_bytes_per_token:,} B")
     b = DTYPE_BYTES.get(str(model.dtype).replace("torch.", ""))
     if b is None:
         return f"KV/token {model.kv_bytes_per_token:,} B"
     return f"KV/token 2·L·H_kv·D·bytes = 2·{L}·{H}·{D}·{b} = {model.kv_bytes_per_token:,} B"
+
+
+def kv_tiers_text(model: object) -> str:
+    """'host 1 GiB · disk 8 GiB' (the lower KV tiers that are on), or ''."""
+    parts = []
+    for name, field in (("host", "kv_host_bytes"), ("disk", "kv_disk_bytes")):
+        n = getattr(model, field, 0) or 0
+        if n:
+            parts.append(f"{name} {short_bytes(n)}")
+    return " · ".join(parts)
+
+
+def tier_counters_text(c: dict[str, float]) -> str:
+    """'host tier 12/4,096 blocks · 3 hits │ disk tier …' from telemetry counters
+    (engine_proc/kv_tiers.py counters()), or '' when the engine has no lower tier."""
+    parts = []
+    for name in ("host", "disk"):
+        total = c.get(f"kv_{name}_blocks_total")
+        if total is None:
+            continue
+        text = (f"{name} tier {c.get(f'kv_{name}_blocks', 0):,.0f}/{total:,.0f} blocks · "
+                f"{c.get(f'kv_{name}_hits', 0):,.0f} hits")
+        if name == "disk" and not c.get("kv_disk_writable", 1):
+            text += " (read-only)"
+        parts.append(text)
+    if parts and c.get("external_prefix_cache_queries"):
+        parts.append(f"{c.get('external_prefix_cache_hits', 0):,.0f}/"
+                     f"{c['external_prefix_cache_queries']:,.0f} looked-up tokens found")
+    return " │ ".join(parts)
 
 
 def missing_labels(missing: list[str]) -> list[str]:
@@ -61,6 +107,13 @@ class StatusBarView:
         self.model_label = QLabel()
         self.kv_label = QLabel()
         self.kv_label.setStyleSheet(f"color: {theme.MUTED};")
+        self.tiers_label = QLabel()
+        self.tiers_label.setStyleSheet(f"color: {theme.MUTED}; margin-right: 8px;")
+        self.tiers_label.setToolTip(
+            "the KV tiers below the pool (Engine → KV cache): blocks held / capacity and "
+            "blocks loaded back instead of recomputed; then the prompt tokens looked up below "
+            "the pool and how many were found")
+        self.tiers_label.setVisible(False)
         self.api_label = QLabel()
         self.api_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.api_label.setStyleSheet(f"color: {theme.ACCENT}; margin-left: 8px;")
@@ -79,6 +132,7 @@ class StatusBarView:
         bar.addWidget(self.model_label)
         bar.addWidget(self.api_label)
         bar.addWidget(self.remote_label)
+        bar.addPermanentWidget(self.tiers_label)
         bar.addPermanentWidget(self.kv_label)
 
     def show_state(self, state: str, detail: str = "") -> None:
@@ -110,9 +164,23 @@ class StatusBarView:
             engine_bits.append(f"CUDA graphs ≤{m.cuda_graph_sizes[-1]} seqs")
         self.model_label.setText(" · ".join(engine_bits))
         total = m.num_blocks * m.block_size * m.kv_bytes_per_token
+        tiers = kv_tiers_text(m)
         self.kv_label.setText(
             f"{m.num_blocks:,} blocks × {m.block_size} tokens · {kv_formula(m)} · "
-            f"KV pool {human_bytes(total)} · max len {m.max_model_len:,}")
+            f"KV pool {human_bytes(total)}" + (f" · KV tiers {tiers}" if tiers else "")
+            + f" · max len {m.max_model_len:,}")
+        self.kv_label.setToolTip(
+            "int8 K/V: 1 byte per value plus a float16 scale per token, layer, K/V and KV head"
+            if getattr(m, "kv_cache_dtype", "auto") == "int8" else "")
+
+    def show_tiers(self, counters: dict[str, float]) -> None:
+        """The lower KV tiers' line from the latest telemetry counters (hidden without tiers).
+        Called with every frame batch: the label changes only when its text does."""
+        text = tier_counters_text(counters)
+        if text != self.tiers_label.text():
+            self.tiers_label.setText(text)
+        if self.tiers_label.isHidden() == bool(text):
+            self.tiers_label.setVisible(bool(text))
 
     def show_server(self, info: ServerInfo, s: MetricSample | None) -> None:
         """A server without per-block telemetry: its kind, model, URL, ranks and pool size

@@ -1,8 +1,9 @@
 """The main window's engine lifecycle: `EngineSource` says whether we spawn the engine (through
 app.supervisor) or attach to one (`--connect`); either way one `EngineLink` worker thread carries
-all ZeroMQ traffic. Also restart, *Engine → Decode weights*, and what happens when the engine (or
-a server watched over HTTP, ui/window_remote.py) fails or stops answering: the error banner with
-its last log lines and Restart."""
+all ZeroMQ traffic. Also restart, *Engine → Decode weights* and *Engine → KV cache* (settings the
+engine starts with: a change restarts a spawned engine), and what happens when the engine (or a
+server watched over HTTP, ui/window_remote.py) fails or stops answering: the error banner with its
+last log lines and Restart."""
 
 from __future__ import annotations
 
@@ -15,9 +16,16 @@ from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QMenu
 
 from app.remote.probe import is_http_url
-from app.supervisor import EngineOptions, EngineSupervisor, engine_command
+from app.supervisor import (
+    KV_CACHE_DTYPES,
+    KV_DISK_SUBDIR,
+    EngineOptions,
+    EngineSupervisor,
+    engine_command,
+)
 from ui.controls import config_dict
 from ui.engine_link import EngineLink
+from ui.status_bar import short_bytes
 
 if TYPE_CHECKING:
     from ui.main_window import MainWindow
@@ -32,6 +40,30 @@ DECODE_WEIGHT_CHOICES = (
      "4-bit copies of the linear layers for steps of up to 16 tokens: ~2x faster replies on a "
      "CPU; the default model's own Q4_1 codes, activations in bf16"),
 )
+MIB, GIB = 1 << 20, 1 << 30
+# Engine → KV cache: (value, label, tooltip) per exclusive group.
+KV_DTYPE_CHOICES = (
+    ("auto", "Automatic (the model's dtype)", "K and V kept in the model's own element type"),
+    ("int8", "int8 (about half the bytes per token)",
+     "int8 K and V with a float16 scale per token and KV head: about twice the tokens in the "
+     "same pool, a small loss of precision; not combined with the lower tiers yet"),
+)
+KV_HOST_CHOICES = (
+    (0, "Off", "evicted prefix blocks are gone"),
+    (256 * MIB, "256 MiB", ""),
+    (1 * GIB, "1 GiB", ""),
+    (4 * GIB, "4 GiB", ""),
+)
+KV_DISK_CHOICES = (
+    (0, "Off", "no KV blocks on disk"),
+    (1 * GIB, "1 GiB", ""),
+    (8 * GIB, "8 GiB", ""),
+)
+KV_HOST_TIP = ("prefix blocks evicted from the KV pool are kept in this much host memory and "
+               "loaded back instead of recomputed")
+KV_DISK_TIP = ("prefix blocks are written to files in the data directory (kv-cache), which a "
+               "restarted engine finds again")
+INT8_VS_TIERS = ("an int8 KV cache cannot be combined with the lower KV tiers yet")
 
 
 @dataclass(slots=True)
@@ -78,6 +110,8 @@ class EngineLifecycle(QObject):
         super().__init__(window)
         self.w = window
         self.bridge: _SupervisorBridge | None = None
+        self.kv_menu: QMenu | None = None
+        self.kv_actions: dict[str, dict[object, QAction]] = {}
 
     # --- decode weights ------------------------------------------------------------------------
     def add_decode_weights_menu(self, menu: QMenu) -> tuple[QMenu, dict[str, QAction]]:
@@ -99,28 +133,153 @@ class EngineLifecycle(QObject):
         return weights, actions
 
     def set_decode_weights(self, value: str) -> None:
-        w = self.w
-        actions = w.decode_weight_actions
+        actions = self.w.decode_weight_actions
         if value not in actions:
             raise ValueError(f"decode weights must be one of {list(actions)}")
-        previous = w.source.options.decode_weights or "dense"
-        if value == previous:
-            actions[value].setChecked(True)
+        if value == (self.w.source.options.decode_weights or "dense"):
+            self.sync_option_menus()
             return
+        self.change_options("the decode weights", {"decode_weights": value},
+                            {"engine/decode_weights": value})
+
+    # --- KV cache --------------------------------------------------------------------------------
+    def add_kv_cache_menu(self, menu: QMenu) -> tuple[QMenu, dict[str, dict[object, QAction]]]:
+        """*KV cache* with three exclusive groups (submenus): element type, host memory tier,
+        disk tier. Returns the menu and {"dtype" | "host" | "disk": {value: action}}."""
+        w = self.w
+        kv = menu.addMenu("&KV cache")
+        kv.setToolTipsVisible(True)
+        current = self.kv_choice()
+        groups: dict[str, dict[object, QAction]] = {}
+        for key, title, tip, choices, setter in (
+            ("dtype", "&Element type", "", KV_DTYPE_CHOICES, w.set_kv_cache_dtype),
+            ("host", "&Host memory tier", KV_HOST_TIP, KV_HOST_CHOICES, w.set_kv_host_memory),
+            ("disk", "&Disk tier (survives restarts)", KV_DISK_TIP, KV_DISK_CHOICES,
+             w.set_kv_disk_bytes),
+        ):
+            sub = kv.addMenu(title)
+            sub.setToolTipsVisible(True)
+            sub.menuAction().setToolTip(tip)
+            group = QActionGroup(w)
+            actions: dict[object, QAction] = {}
+            value = current[key]
+            if isinstance(value, int) and value not in {c[0] for c in choices}:
+                choices = (*choices, (value, short_bytes(value), "from settings"))
+            for value, label, action_tip in choices:
+                action = QAction(label, w, checkable=True)
+                action.setToolTip(action_tip)
+                action.setData(value)
+                group.addAction(action)
+                sub.addAction(action)
+                actions[value] = action
+            group.triggered.connect(lambda a, f=setter: f(a.data()))
+            groups[key] = actions
+        self.kv_menu = kv
+        self.kv_actions = groups
+        self.sync_option_menus()
+        return kv, groups
+
+    def kv_choice(self) -> dict[str, object]:
+        """What the next spawned engine gets: {"dtype": str, "host": bytes, "disk": bytes}."""
+        o = self.w.source.options
+        return {
+            "dtype": o.kv_cache_dtype or "auto",
+            "host": o.kv_host_memory or 0,
+            "disk": (o.kv_disk_bytes or 0) if o.kv_disk_dir else 0,
+        }
+
+    def set_kv_cache_dtype(self, value: str) -> None:
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"KV cache element type must be one of {list(KV_CACHE_DTYPES)}")
+        now = self.kv_choice()
+        if value == now["dtype"]:
+            self.sync_option_menus()
+            return
+        changes: dict[str, object] = {"kv_cache_dtype": value}
+        persist: dict[str, object] = {"engine/kv_cache_dtype": value}
+        note = ""
+        if value == "int8" and (now["host"] or now["disk"]):
+            changes.update(kv_host_memory=None, kv_disk_dir=None, kv_disk_bytes=None)
+            persist.update({"engine/kv_host_memory": 0, "engine/kv_disk_bytes": 0})
+            note = f"KV tiers turned off: {INT8_VS_TIERS}"
+        self.change_options("the KV cache element type", changes, persist, note)
+
+    def set_kv_host_memory(self, nbytes: int) -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"host memory tier must be an integer >= 0 (bytes), got {nbytes!r}")
+        self._set_tier("host memory tier", {"kv_host_memory": nbytes or None},
+                       {"engine/kv_host_memory": nbytes})
+
+    def set_kv_disk_bytes(self, nbytes: int) -> None:
+        w = self.w
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"disk tier must be an integer >= 0 (bytes), got {nbytes!r}")
+        directory = w.source.options.kv_disk_dir
+        if nbytes and directory is None:
+            if w.data_dir is None:
+                raise ValueError("the disk tier needs the app's data directory; this window has "
+                                 "none")
+            directory = str(w.data_dir / KV_DISK_SUBDIR)
+        self._set_tier("disk tier",
+                       {"kv_disk_bytes": nbytes or None,
+                        "kv_disk_dir": directory if nbytes else None},
+                       {"engine/kv_disk_bytes": nbytes})
+
+    def _set_tier(self, what: str, changes: dict[str, object], persist: dict[str, object]) -> None:
+        note = ""
+        if any(changes.values()) and self.kv_choice()["dtype"] == "int8":
+            changes["kv_cache_dtype"] = "auto"
+            persist["engine/kv_cache_dtype"] = "auto"
+            note = f"KV element type back to Automatic: {INT8_VS_TIERS}"
+        self.change_options(f"the {what}", changes, persist, note)
+
+    # --- options the engine starts with ----------------------------------------------------------
+    def change_options(self, what: str, changes: dict[str, object], persist: dict[str, object],
+                       note: str = "") -> bool:
+        """Set EngineOptions fields (`changes`) and settings (`persist`), then restart a spawned
+        engine with them, asking first when replies are in flight; an attached engine is left
+        as it is (the choice applies to engines this app starts). `note` (why another choice
+        changed too) goes to the status bar. Returns whether anything changed."""
+        w = self.w
+        opts = w.source.options
+        if all(getattr(opts, k) == v for k, v in changes.items()):
+            self.sync_option_menus()
+            return False
         in_flight = len(w.chat.active)
-        if in_flight and not w.source.connect and not w._confirm_restart(in_flight):
-            actions[previous].setChecked(True)
-            return
-        actions[value].setChecked(True)
-        w.source.options.decode_weights = value
-        w.settings.setValue("engine/decode_weights", value)
+        if in_flight and not w.source.connect and not w._confirm_restart(in_flight, what):
+            self.sync_option_menus()
+            return False
+        for k, v in changes.items():
+            setattr(opts, k, v)
+        for k, v in persist.items():
+            w.settings.setValue(k, v)
+        self.sync_option_menus()
         if w.source.connect:
             w.statusBar().showMessage(
-                "decode weights apply to engines this app starts; the attached one is unchanged",
-                8000,
-            )
-            return
+                f"Changed {what}: this applies to engines this app starts; the attached one is "
+                "unchanged" + (f" ({note})" if note else ""), 10000)
+            return True
+        if note:
+            w.statusBar().showMessage(note, 10000)
         self.restart()
+        return True
+
+    def sync_option_menus(self) -> None:
+        """Check the menu entries that match the options the next engine starts with."""
+        w = self.w
+        actions = getattr(w, "decode_weight_actions", None)
+        if actions:
+            current = w.source.options.decode_weights or "dense"
+            actions.get(current, actions["dense"]).setChecked(True)
+        for key, value in self.kv_choice().items():
+            action = self.kv_actions.get(key, {}).get(value)
+            if action is not None:
+                action.setChecked(True)
+
+    def on_frames(self, frames: list) -> None:
+        """The lower tiers' blocks and hits, from the latest telemetry counters."""
+        if frames and self.sender() is self.w.link:
+            self.w.status.show_tiers(frames[-1].counters)
 
     # --- start and link --------------------------------------------------------------------------
     def start(self) -> None:
@@ -191,12 +350,16 @@ class EngineLifecycle(QObject):
         link.connect_failed.connect(lambda why: self.fail(f"could not connect: {why}"))
         link.replies.connect(w.feed.on_replies)
         link.frames.connect(w.feed.on_frames)
+        link.frames.connect(self.on_frames)
         link.control_reply.connect(w.on_control_reply)
         link.load_stats.connect(w.load_panel.show_stats)
         link.stalled.connect(self.on_stalled)
         link.recovered.connect(self.on_recovered)
         link.goodbye.connect(self._on_goodbye)
+        if hasattr(link, "prefix_tree"):
+            link.prefix_tree.connect(w.feed.on_prefix_tree)
         w.link = link
+        w.sync_tree_wanted()
         link.start()
 
     def _on_connected(self, welcome) -> None:
@@ -206,6 +369,7 @@ class EngineLifecycle(QObject):
         w.welcome = welcome
         w.status.hide_progress()
         w.status.show_engine(welcome.model)
+        w.status.show_tiers({})
         w.remote.set_controls_remote(None)
         w.controls.setEnabled(True)
         w.controls.show_config(config_dict(welcome.config))
@@ -302,6 +466,7 @@ class EngineLifecycle(QObject):
         w.metric_history.clear()
         w.metric_charts.clear()
         w.kv_aggregate.clear()
+        w.status.show_tiers({})
         w.remote.aliases.clear()
         w.load_panel.set_running(False)
         self.start()

@@ -77,7 +77,7 @@ class RemoteWatch(QObject):
         w.remote_info = None
         self.metrics_problem = ""
         self.show_notes()
-        w.kv_stack.setCurrentWidget(w.block_map)
+        w.kv_stack.setCurrentWidget(w.kv_tabs)
         w.chart_stack.setCurrentWidget(w.charts)
         self.set_controls_remote(w.source.connect if w.source.is_remote else None)
 
@@ -94,6 +94,7 @@ class RemoteWatch(QObject):
         link.connect_failed.connect(self._on_connect_failed)
         link.replies.connect(w.feed.on_replies)
         link.frames.connect(w.feed.on_frames)
+        link.frames.connect(w.lifecycle.on_frames)  # the lower KV tiers line
         link.metrics.connect(self._on_metrics)
         link.metrics_problem.connect(self._on_metrics_problem)
         link.alias.connect(self._on_alias)
@@ -117,7 +118,7 @@ class RemoteWatch(QObject):
         w.remote_info = info
         w.status.hide_progress()
         per_block = info.per_block
-        w.kv_stack.setCurrentWidget(w.block_map if per_block else w.kv_aggregate)
+        w.kv_stack.setCurrentWidget(w.kv_tabs if per_block else w.kv_aggregate)
         w.chart_stack.setCurrentWidget(w.charts if per_block else w.metric_charts)
         if per_block:
             w.welcome = info.welcome

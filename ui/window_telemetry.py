@@ -4,6 +4,7 @@ they arrive, chart and block-map redraws from a timer. Every handler's time goes
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,15 @@ class TelemetryFeed(QObject):
         self._take_frames(frames)
         self.w.perf["frames"].append(time.perf_counter() - t0)
 
+    def on_prefix_tree(self, layout: object, in_sync: bool) -> None:
+        if self.sender() is not self.w.link:
+            return
+        t0 = time.perf_counter()
+        self.w.prefix_tree.set_layout(layout, in_sync)  # type: ignore[arg-type]
+        self.w.perf.setdefault("prefix tree", collections.deque(maxlen=10_000)).append(
+            time.perf_counter() - t0
+        )
+
     def _take_frames(self, frames: list[Frame]) -> None:
         w = self.w
         for f in frames:
@@ -52,10 +62,13 @@ class TelemetryFeed(QObject):
         self.frames_seen += len(frames)
         last = frames[-1]
         w.block_map.set_frame(last, w.history.last_tables)
+        for f in frames:  # hits and last access count every frame
+            w.prefix_tree.set_frame(f)
         if w.want_highlight is not None:
             erid = w.remote.engine_rid(w.want_highlight)
             if erid is not None and erid != w.block_map.highlight_rid:
                 w.block_map.highlight_rid = erid  # drawn with this frame
+                w.prefix_tree.highlight_request(erid)
         w.controls.show_config(last.config)
         w.api_toggle.on_frame()
         if w.state in ("ready", "busy"):
@@ -74,6 +87,8 @@ class TelemetryFeed(QObject):
         if phase == "map":
             if aggregate:
                 w.kv_aggregate.redraw()
+            elif w.kv_tabs.currentWidget() is w.prefix_tree:
+                w.prefix_tree.redraw()
             else:
                 w.block_map.redraw()
         elif aggregate:

@@ -24,7 +24,14 @@ from typing import Any
 
 from app.api.guard import is_loopback_host
 from app.api.server import EngineLink, ServerSettings, create_app
-from app.supervisor import DECODE_WEIGHTS, DTYPES, EngineOptions, EngineSupervisor, engine_command
+from app.supervisor import (
+    DECODE_WEIGHTS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    EngineOptions,
+    EngineSupervisor,
+    engine_command,
+)
 from ipc.client import EngineError
 
 log = logging.getLogger("app.api.serve")
@@ -70,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DECODE_WEIGHTS,
         help="auto (default): 4-bit decode weights on a CPU, dense on a GPU",
     )
+    e.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES)
+    e.add_argument("--kv-host-memory", type=int, default=None, help="host KV tier, bytes")
+    e.add_argument("--kv-disk-dir", default=None, help="disk KV tier directory (persists)")
+    e.add_argument("--kv-disk-bytes", type=int, default=None, help="disk KV tier capacity")
     e.add_argument("--engine-args", default="", help="more `engine_proc serve` options")
     e.add_argument(
         "--no-restart",
@@ -160,6 +171,8 @@ class EngineKeeper:
         options = EngineOptions(
             model=a.model, dtype=a.dtype, device=a.device, num_kv_blocks=a.num_kv_blocks,
             max_model_len=a.max_model_len, decode_weights=a.decode_weights,
+            kv_cache_dtype=a.kv_cache_dtype, kv_host_memory=a.kv_host_memory,
+            kv_disk_dir=a.kv_disk_dir, kv_disk_bytes=a.kv_disk_bytes,
             extra_args=shlex.split(a.engine_args),
         )  # fmt: skip
         assert self.loop is not None

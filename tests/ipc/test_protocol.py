@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from engine_proc.sampling_params import SamplingParams
 from ipc import endpoints as E
+from ipc import kv_events as K
 from ipc import protocol as P
 from tests.ipc.helpers import DOC_CLIENT_KINDS, documented_error_code
 
@@ -105,9 +106,10 @@ DOC_ENGINE_FIELDS = {
 }  # fmt: skip
 DOC_PUB_FIELDS = {
     "telemetry": {"seq", "time", "counters", "config", "blocks", "requests", "token_events",
-                  "steps", "num_clients", "histograms", "finished_reasons"},
+                  "steps", "num_clients", "histograms", "finished_reasons", "kv_events_seq"},
     "heartbeat": _TOKEN | {"time", "paused"},
     "goodbye": _TOKEN | {"reason"},
+    "kv_events": {"seq", "time", "events"},
 }  # fmt: skip
 DOC_NESTED_FIELDS = {
     P.SamplingOptions: {"max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop",
@@ -117,7 +119,8 @@ DOC_NESTED_FIELDS = {
     P.ModelInfo: {"name", "architecture", "num_layers", "num_kv_heads", "head_dim", "dtype",
                   "device", "block_size", "num_blocks", "kv_bytes_per_token", "max_model_len",
                   "model_id", "num_heads", "vocab_size", "attention_backend", "kv_pool_bytes",
-                  "decode_weights", "cuda_graph_sizes"},
+                  "decode_weights", "cuda_graph_sizes", "kv_cache_dtype", "kv_host_bytes",
+                  "kv_disk_bytes"},
     P.LiveConfig: {"max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk",
                    "enable_prefix_caching", "paused"},
     P.Usage: {"prompt_tokens", "cached_tokens", "completion_tokens"},
@@ -131,6 +134,10 @@ DOC_NESTED_FIELDS = {
     P.StepStats: {"time", "duration", "num_prefill_tokens", "num_decode_tokens", "num_running",
                   "num_waiting"},
     P.Histogram: {"bounds", "counts", "sum"},
+    K.BlockStored: {"block_hashes", "parent_block_hash", "token_ids", "block_size", "block_ids",
+                    "medium"},
+    K.BlockRemoved: {"block_hashes", "medium"},
+    K.AllBlocksCleared: {"medium"},
 }  # fmt: skip
 DOC_ERROR_CODES = {
     "bad_message", "unknown_kind", "invalid_message", "unauthorized", "version_mismatch",

@@ -14,6 +14,7 @@ from ipc.client import EngineClient
 from tests.ui.conftest import tiny_engine_command
 from ui import block_map as bm
 from ui.main_window import EngineSource, MainWindow, wait_until
+from ui.prefix_tree import SELECTED_BAR
 from ui.telemetry import BLOCK_CACHED, BLOCK_IN_USE
 
 pytestmark = pytest.mark.slow
@@ -138,6 +139,56 @@ def test_block_map_in_use_then_cached(win, qtbot):
     assert np.count_nonzero(f.state == BLOCK_IN_USE) == 0
 
 
+def test_prefix_tree_tab_draws_the_conversation_from_kv_events(win, qtbot):
+    """The engine's KV cache events reach the window's worker, which lays the tree out while
+    the tab is shown; the panel draws the chat's full blocks, highlighted (it is selected)."""
+    win.kv_tabs.setCurrentWidget(win.prefix_tree)
+    try:
+        assert win.link.tree.wanted
+        _greedy(win, 160)
+        rid = _send(win, "Prefix trees grow from shared system prompts, branch by branch.")
+
+        def running_req():
+            f = win.prefix_tree.frame
+            return f and next((r for r in f.requests if r.request_id == rid), None)
+
+        def has_full_block() -> bool:
+            req = running_req()
+            return req is not None and req.num_computed_tokens >= win.prefix_tree.frame.block_size
+
+        qtbot.waitUntil(has_full_block, timeout=60_000)
+        win.link.control("pause")  # keep the request in flight however slow the machine is
+        try:
+
+            def drawn() -> bool:
+                lay, f, req = win.prefix_tree.layout_, win.prefix_tree.frame, running_req()
+                if lay is None or req is None:
+                    return False
+                full = req.block_table[: req.num_computed_tokens // f.block_size]
+                if not (full and set(full) <= set(lay.block_id.tolist())):
+                    return False
+                win.prefix_tree.redraw(force=True)
+                return SELECTED_BAR in win.prefix_tree.kind  # selected conversation: highlighted
+
+            qtbot.waitUntil(drawn, timeout=60_000)
+            assert win.prefix_tree.highlight_rid == rid
+            assert "cached blocks" in win.prefix_tree.note.text()
+        finally:
+            win.link.control("resume")
+        qtbot.waitUntil(lambda: not win.chat.busy(win.chat.current.id), timeout=60_000)
+
+        def all_full_blocks_in_tree() -> bool:
+            table, hashes = win.history.last_tables.get(rid, ([], []))
+            full = [b for b, h in zip(table, hashes, strict=True) if h]
+            lay = win.prefix_tree.layout_
+            return bool(full) and set(full) <= set(lay.block_id.tolist())
+
+        qtbot.waitUntil(all_full_blocks_in_tree, timeout=30_000)
+    finally:
+        win.kv_tabs.setCurrentWidget(win.block_map)
+    assert not win.link.tree.wanted
+
+
 def test_engine_death_then_restart(win, qtbot):
     _greedy(win, 400)
     _send(win, "Keep talking.")
@@ -181,7 +232,7 @@ def test_decode_weights_menu_restarts_the_engine_with_int4(win, qtbot, monkeypat
     conv = win.chat.current
     qtbot.waitUntil(lambda: len(conv.messages[-1].content) > 0, timeout=60_000)
     asked: list[int] = []
-    monkeypatch.setattr(win, "_confirm_restart", lambda n: asked.append(n) or False)
+    monkeypatch.setattr(win, "_confirm_restart", lambda n, what: asked.append(n) or False)
     before = win.welcome
     win.decode_weight_actions["int4"].trigger()
     assert asked == [1] and win.decode_weight_actions["dense"].isChecked()
