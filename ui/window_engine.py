@@ -8,6 +8,7 @@ last log lines and Restart."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -110,6 +111,7 @@ class EngineLifecycle(QObject):
         super().__init__(window)
         self.w = window
         self.bridge: _SupervisorBridge | None = None
+        self._stall_count = 0  # +1 per recovery from "not answering" (see _give_up_on)
         self.kv_menu: QMenu | None = None
         self.kv_actions: dict[str, dict[object, QAction]] = {}
 
@@ -117,20 +119,29 @@ class EngineLifecycle(QObject):
     def add_decode_weights_menu(self, menu: QMenu) -> tuple[QMenu, dict[str, QAction]]:
         w = self.w
         weights = menu.addMenu("&Decode weights")
+        actions = self._radio_group(weights, DECODE_WEIGHT_CHOICES, w.set_decode_weights)
+        current = w.source.options.decode_weights or "dense"
+        actions.get(current, actions["dense"]).setChecked(True)
+        return weights, actions  # type: ignore[return-value]
+
+    def _radio_group(
+        self, menu: QMenu, choices: tuple, on_choose: Callable[[object], None]
+    ) -> dict[object, QAction]:
+        """Exclusive checkable actions (value, label, tooltip) in `menu`; picking one calls
+        on_choose(value). Returns {value: action}."""
+        w = self.w
+        menu.setToolTipsVisible(True)
         group = QActionGroup(w)
-        actions: dict[str, QAction] = {}
-        for value, label, tip in DECODE_WEIGHT_CHOICES:
+        actions: dict[object, QAction] = {}
+        for value, label, tip in choices:
             action = QAction(label, w, checkable=True)
             action.setToolTip(tip)
             action.setData(value)
             group.addAction(action)
-            weights.addAction(action)
+            menu.addAction(action)
             actions[value] = action
-        weights.setToolTipsVisible(True)
-        current = w.source.options.decode_weights or "dense"
-        actions.get(current, actions["dense"]).setChecked(True)
-        group.triggered.connect(lambda a: w.set_decode_weights(a.data()))
-        return weights, actions
+        group.triggered.connect(lambda a: on_choose(a.data()))
+        return actions
 
     def set_decode_weights(self, value: str) -> None:
         actions = self.w.decode_weight_actions
@@ -158,22 +169,11 @@ class EngineLifecycle(QObject):
              w.set_kv_disk_bytes),
         ):
             sub = kv.addMenu(title)
-            sub.setToolTipsVisible(True)
             sub.menuAction().setToolTip(tip)
-            group = QActionGroup(w)
-            actions: dict[object, QAction] = {}
             value = current[key]
             if isinstance(value, int) and value not in {c[0] for c in choices}:
                 choices = (*choices, (value, short_bytes(value), "from settings"))
-            for value, label, action_tip in choices:
-                action = QAction(label, w, checkable=True)
-                action.setToolTip(action_tip)
-                action.setData(value)
-                group.addAction(action)
-                sub.addAction(action)
-                actions[value] = action
-            group.triggered.connect(lambda a, f=setter: f(a.data()))
-            groups[key] = actions
+            groups[key] = self._radio_group(sub, choices, setter)
         self.kv_menu = kv
         self.kv_actions = groups
         self.sync_option_menus()
@@ -401,17 +401,20 @@ class EngineLifecycle(QObject):
         self.show_banner(f"The engine is not answering ({why}). It may be busy with a long "
                          "step; Restart stops it and starts a new one.")
         if w.supervisor is None:  # attached: nobody will tell us it died, so give up later
-            link = w.link
+            link, stall = w.link, self._stall_count
             QTimer.singleShot(int(w.source.stall_timeout * 1000),
-                              lambda: self._give_up_on(link))
+                              lambda: self._give_up_on(link, stall))
 
-    def _give_up_on(self, link) -> None:
-        if link is self.w.link and self.w.state == "not answering":
+    def _give_up_on(self, link, stall: int) -> None:
+        # Only for the silence that armed it: a timer left from an earlier stall that recovered
+        # must not give up on a later one the moment it starts.
+        if link is self.w.link and stall == self._stall_count and self.w.state == "not answering":
             self.fail("the engine stopped answering")
 
     def on_recovered(self) -> None:
         if self.sender() is not self.w.link or self.w.state != "not answering":
             return
+        self._stall_count += 1  # disarms this stall's give-up timer
         self.w.banner.setVisible(False)
         self.w.set_state("ready")
 

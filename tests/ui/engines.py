@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from engine_proc import EngineConfig, LLMEngine
+from engine_proc.config import kv_tier_options
 
 
 def tiny_chat(args: argparse.Namespace) -> LLMEngine:
@@ -32,4 +33,5 @@ def tiny_chat(args: argparse.Namespace) -> LLMEngine:
     for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
+    config.update(kv_tier_options(args))  # the KV element type and lower tiers (Engine menu)
     return LLMEngine(EngineConfig(**config))

@@ -1,4 +1,4 @@
-"""*Engine → KV cache* against a real engine process (tiny random model, tests/ui/engines_kv.py):
+"""*Engine → KV cache* against a real engine process (tiny random model, tests/ui/engines.py):
 a host tier chosen for the spawned engine shows in the status bar with its blocks and hits from
 telemetry; choosing int8 restarts the engine with an int8 KV cache and the tier off."""
 
@@ -27,8 +27,7 @@ def _send(win: MainWindow, text: str, max_tokens: int) -> None:
 
 def test_host_tier_then_int8_from_the_menu(qtbot, tmp_path):
     d = tmp_path / "kvscope-data"
-    cmd = tiny_engine_command("--engine-factory", "tests.ui.engines_kv:tiny_chat_kv",
-                              "--num-kv-blocks", "24", "--max-model-len", "256")
+    cmd = tiny_engine_command("--num-kv-blocks", "24", "--max-model-len", "256")
     w = MainWindow(open_settings(d), ConversationStore(d / "conversations"),
                    EngineSource(command=cmd, options=EngineOptions(kv_host_memory=HOST_BYTES)),
                    data_dir=d)

@@ -69,7 +69,7 @@ def test_chat_block_map_and_charts_match_the_zeromq_attachment(server, sdk, qapp
         assert wait_until(lambda: win.state in ("ready", "busy", "disconnected"), 60, qapp)
         assert win.state in ("ready", "busy"), win.last_error
         # the full per-block view, not the aggregate one
-        assert win.kv_stack.currentWidget() is win.block_map
+        assert win.kv_stack.currentWidget() is win.kv_tabs
         assert win.chart_stack.currentWidget() is win.charts
         assert f"KVScope at {server.url}" in win.model_label.text()
         assert f"{welcome.model.num_blocks:,} blocks" in win.kv_label.text()

@@ -414,7 +414,7 @@ def test_back_to_the_local_engine_and_out_again(qapp, tmp_path, qtbot):
             win.use_local_engine()  # spawns this window's own engine
             qtbot.waitUntil(lambda: win.state in ("ready", "busy"), timeout=180_000)
             qtbot.waitUntil(lambda: win.history.latest is not None, timeout=30_000)
-            assert win.kv_stack.currentWidget() is win.block_map
+            assert win.kv_stack.currentWidget() is win.kv_tabs
             assert win.chart_stack.currentWidget() is win.charts
             assert win.controls.isEnabled() and "engine protocol" not in win.controls.toolTip()
             assert "engine protocol" not in win.controls.sliders["max_num_seqs"].toolTip()
