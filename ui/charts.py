@@ -127,6 +127,9 @@ class ChartsWidget(QWidget):
         p = self._plot(0, 1, "prefix-cache hit rate (%)", colspan=2)
         p.setYRange(0, 100, padding=0.02)
         self.hit = p.plot(pen=_pen("hit"))
+        # the share of those hits loaded from the host / disk KV tiers (engines with tiers)
+        self.tier_hit = p.plot(pen=_pen("cached", style=Qt.PenStyle.DashLine))
+        self._legend(p, (self.hit, "all hits"), (self.tier_hit, "from host/disk tiers"))
         self.p_hit = p
 
         # 3. prompt tokens: cached vs computed (stacked, tok/s). Stacks are curves filled down
@@ -217,7 +220,7 @@ class ChartsWidget(QWidget):
             leg.addItem(item, name)
 
     def clear(self) -> None:
-        for item in (self.itl, self.ttft, self.hit, self.computed, self.cached_top,
+        for item in (self.itl, self.ttft, self.hit, self.tier_hit, self.computed, self.cached_top,
                      self.ptps, self.gtps, self.running, self.waiting, self.kv_in_use,
                      self.kv_cached_top, self.kv_full, self.occ):
             item.setData([], [])
@@ -286,6 +289,9 @@ class ChartsWidget(QWidget):
         hit = fr[:, History.HIT] * 100.0
         finite = np.isfinite(hit)
         self.hit.setData(t[finite], hit[finite])
+        tier = fr[:, History.TIER_HIT] * 100.0
+        finite = np.isfinite(tier)
+        self.tier_hit.setData(t[finite], tier[finite])
 
         comp = fr[:, History.COMPUTED_TPS]
         top_prompt = comp + fr[:, History.CACHED_TPS]
@@ -334,7 +340,8 @@ class ChartsWidget(QWidget):
         last_ttft = float(tt[-1, 1]) * 1e3 if len(tt) else math.nan
         self._title(self.p_latency, f"latency ms (log): ITL p50 {_fmt_rate(p50)} · last TTFT "
                                     f"{_fmt_rate(last_ttft)}")
-        self._title(self.p_hit, f"prefix-cache hit rate: {_pct(r.hit_rate)} last "
+        tiers = f" ({_pct(r.tier_hit_rate)} from tiers)" if math.isfinite(r.tier_hit_rate) else ""
+        self._title(self.p_hit, f"prefix-cache hit rate: {_pct(r.hit_rate)}{tiers} last "
                                 f"{h.window_s:.0f} s · {_pct(r.hit_rate_total)} all time · block "
                                 f"{self.block_size} tokens")
         self._title(self.p_prompt, f"prompt tok/s: cached {_fmt_rate(r.cached_tps)} · computed "

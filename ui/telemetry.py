@@ -206,6 +206,7 @@ class Rates:
 
     hit_rate: float = math.nan  # prefix-cache hits / queries over the window (tokens)
     hit_rate_total: float = math.nan  # since the engine started
+    tier_hit_rate: float = math.nan  # of those queries, hits loaded from host/disk KV tiers
     prompt_tps: float = 0.0
     gen_tps: float = 0.0
     cached_tps: float = 0.0
@@ -217,12 +218,12 @@ class History:
 
     # per-frame columns
     T, RUNNING, WAITING, IN_USE, CACHED, EMPTY, OCC, CONTIG, HIT, PTPS, GTPS, CACHED_TPS, \
-        COMPUTED_TPS = range(13)
+        COMPUTED_TPS, TIER_HIT = range(14)
 
     def __init__(self, window_s: float = 10.0, capacity: int = 4096,
                  token_capacity: int = 20000) -> None:
         self.window_s = window_s
-        self.frames = Ring(capacity, 13)
+        self.frames = Ring(capacity, 14)
         self.itl = Ring(token_capacity, 2)  # (t, seconds between consecutive tokens)
         self.ttft = Ring(1024, 2)  # (t, ttft seconds)
         self.t0: float | None = None
@@ -231,7 +232,8 @@ class History:
         self._last_token: dict[str, float] = {}
         self._arrival: dict[str, float] = {}
         self._ttft_seen: dict[str, None] = {}  # insertion-ordered set, bounded
-        self._counter_hist: deque[tuple[float, float, float, float, float]] = deque()
+        # (time, prompt, generation, queries, hits, hits from lower tiers or NaN: no tiers)
+        self._counter_hist: deque[tuple[float, ...]] = deque()
         # remembered block tables of finished requests, to highlight their cached blocks
         self.last_tables: dict[str, tuple[list[int], list[int]]] = {}
 
@@ -264,6 +266,7 @@ class History:
             c.get("generation_tokens_total", 0.0),
             c.get("prefix_cache_queries", 0.0),
             c.get("prefix_cache_hits", 0.0),
+            c.get("external_prefix_cache_hits", math.nan),
         ))
         while len(self._counter_hist) > 2 and f.time - self._counter_hist[1][0] >= self.window_s:
             self._counter_hist.popleft()
@@ -291,6 +294,7 @@ class History:
             self.rates.gen_tps,
             self.rates.cached_tps,
             self.rates.computed_tps,
+            self.rates.tier_hit_rate,
         ))
 
     def _add_tokens(self, f: Frame) -> None:
@@ -327,11 +331,12 @@ class History:
         total = k / q if q > 0 else math.nan
         if len(h) < 2:
             return Rates(hit_rate_total=total)
-        (t0, p0, g0, q0, k0), (t1, p1, g1, q1, k1) = h[0], h[-1]
+        (t0, p0, g0, q0, k0, e0), (t1, p1, g1, q1, k1, e1) = h[0], h[-1]
         dt = max(t1 - t0, 1e-6)
         dq, dk = q1 - q0, k1 - k0
         return Rates(
             hit_rate=dk / dq if dq > 0 else math.nan,
+            tier_hit_rate=(e1 - e0) / dq if dq > 0 else math.nan,  # NaN without tiers
             hit_rate_total=total,
             prompt_tps=(p1 - p0) / dt,
             gen_tps=(g1 - g0) / dt,

@@ -111,3 +111,29 @@ def test_history_restarts_on_a_new_engine_clock():
     eng2.step()
     h.add(Frame.from_wire(eng2.snapshot()))
     assert len(h.frames) == 1
+
+
+def test_hits_from_lower_kv_tiers_are_their_own_series():
+    """external_prefix_cache_hits (tokens the host/disk tiers served) over the same window's
+    prefix-cache queries; NaN, and no points drawn, from an engine without tiers."""
+    eng = SyntheticEngine(num_blocks=64, seed=2)
+    h = History(window_s=5.0)
+    eng.add()
+    eng.step()
+    snap = eng.snapshot()
+    base = dict(snap["counters"])
+    for i, (queries, hits, tier_hits) in enumerate([(0, 0, 0), (100, 60, 10), (300, 200, 70)]):
+        f = Frame.from_wire(snap)
+        f.time = float(i)
+        f.counters = base | {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                             "external_prefix_cache_hits": tier_hits}
+        h.add(f)
+    assert math.isclose(h.rates.hit_rate, 200 / 300)
+    assert math.isclose(h.rates.tier_hit_rate, 70 / 300)
+    assert math.isclose(h.frames.view()[-1, History.TIER_HIT], 70 / 300)
+    plain = History(window_s=5.0)
+    for i in range(3):
+        f = Frame.from_wire(snap)
+        f.time = float(i)
+        plain.add(f)
+    assert math.isnan(plain.rates.tier_hit_rate)
