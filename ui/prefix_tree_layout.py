@@ -27,7 +27,6 @@ class TreeLayout:
     row_end: np.ndarray  # float64: last row of its band (its subtree's last row)
     block_id: np.ndarray  # int64: pool block, -1 when unknown
     hashes: list[bytes]  # block hash per block
-    parents: list[bytes | None]
     tokens: list[list[int]]
     block_size: int
     # owner[2 * row + k, depth] = index of the block drawn there, -1 = nothing; each band
@@ -96,7 +95,6 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
         row_end=np.asarray(row_end, dtype=np.float64),
         block_id=np.asarray([nodes[h].block_id for h in hashes], dtype=np.int64),
         hashes=hashes,
-        parents=[nodes[h].parent_hash for h in hashes],
         tokens=[nodes[h].token_ids for h in hashes],
         block_size=block_size,
         owner=owner,

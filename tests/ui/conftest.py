@@ -26,3 +26,25 @@ def data_dir(tmp_path, monkeypatch):
     d = tmp_path / "kvscope-data"
     monkeypatch.setenv("KVSCOPE_DATA_DIR", str(d))
     return d
+
+
+def send_chat(win, text: str, max_tokens: int) -> None:
+    """A new greedy conversation with `text`, sent from the chat panel."""
+    win.chat.temperature.setValue(0.0)
+    win.chat.max_tokens.setValue(max_tokens)
+    win.chat.new_conversation()
+    win.chat.input.setPlainText(text)
+    assert win.chat.send_current() is not None
+
+
+class DictSettings:
+    """QSettings' value/setValue over a dict (no file, no Qt)."""
+
+    def __init__(self, values: dict) -> None:
+        self.values = dict(values)
+
+    def value(self, key: str):
+        return self.values.get(key)
+
+    def setValue(self, key: str, value) -> None:  # noqa: N802 - QSettings' name
+        self.values[key] = value

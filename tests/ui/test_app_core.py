@@ -14,6 +14,7 @@ from app.conversations import Conversation, ConversationStore, Message
 from app.load_generator import ID_PREFIX, LoadConfig, LoadGenerator, drive
 from app.supervisor import EngineSupervisor, parse_line
 from ipc import protocol as P
+from tests.ui.conftest import DictSettings
 
 
 def test_conversations_round_trip_and_bad_files(tmp_path):
@@ -143,29 +144,18 @@ def test_subcommands_are_lazy(monkeypatch, capsys):
     assert called["argv"] == ["-x"]
 
 
-class _DictSettings:
-    def __init__(self, values: dict) -> None:
-        self.values = dict(values)
-
-    def value(self, key: str):
-        return self.values.get(key)
-
-    def setValue(self, key: str, value) -> None:  # noqa: N802 - QSettings' name
-        self.values[key] = value
-
-
 def test_engine_options_remember_flags_and_ignore_stale_settings():
     from app.supervisor import EngineOptions
 
     parse = app_main.build_parser().parse_args
-    settings = _DictSettings({})
+    settings = DictSettings({})
     opts = app_main._engine_options(parse(["--decode-weights", "int4"]), settings)
     assert isinstance(opts, EngineOptions) and opts.decode_weights == "int4"
     assert "--decode-weights" in opts.to_args() and "int4" in opts.to_args()
     # Next start without the flag: remembered.
     assert app_main._engine_options(parse([]), settings).decode_weights == "int4"
     # A stale or hand-edited value is dropped instead of crashing the engine at start.
-    bad = _DictSettings({"engine/decode_weights": "int3", "engine/dtype": "float8"})
+    bad = DictSettings({"engine/decode_weights": "int3", "engine/dtype": "float8"})
     opts = app_main._engine_options(parse([]), bad)
     assert opts.decode_weights == "auto" and opts.dtype is None  # the app's default
     assert opts.to_args()[opts.to_args().index("--decode-weights") + 1] == "auto"
@@ -184,5 +174,5 @@ def test_gui_engine_threads_leave_the_window_a_core():
     assert gui_engine_threads(_cpuinfo(4, 2), logical=8) == 4  # SMT siblings serve the GUI
     assert gui_engine_threads("", logical=1) == 1
     assert gui_engine_threads("", logical=6) == 5
-    opts = app_main._engine_options(app_main.build_parser().parse_args([]), _DictSettings({}))
+    opts = app_main._engine_options(app_main.build_parser().parse_args([]), DictSettings({}))
     assert opts.num_threads >= 1 and "--num-threads" in opts.to_args()

@@ -12,7 +12,7 @@ import pytest
 from app.conversations import ConversationStore
 from app.settings import open_settings
 from tests.ipc.helpers import EngineProc
-from tests.ui.conftest import TINY_ENGINE_ARGS, tiny_engine_command
+from tests.ui.conftest import TINY_ENGINE_ARGS, send_chat, tiny_engine_command
 from ui.main_window import EngineSource, MainWindow
 
 pytestmark = pytest.mark.slow
@@ -28,14 +28,6 @@ def _window(tmp_path, source: EngineSource) -> MainWindow:
     return w
 
 
-def _send(win: MainWindow, text: str, max_tokens: int) -> None:
-    win.chat.temperature.setValue(0.0)
-    win.chat.max_tokens.setValue(max_tokens)
-    win.chat.new_conversation()
-    win.chat.input.setPlainText(text)
-    assert win.chat.send_current() is not None
-
-
 def test_attached_engine_not_answering_recovers_then_is_given_up_when_it_dies(qtbot, tmp_path):
     engine = EngineProc([*TINY_ENGINE_ARGS, "--heartbeat-interval", "0.2"])
     win = _window(tmp_path, EngineSource(connect=engine.endpoint, stall_timeout=STALL_TIMEOUT))
@@ -49,12 +41,12 @@ def test_attached_engine_not_answering_recovers_then_is_given_up_when_it_dies(qt
         qtbot.waitUntil(lambda: win.state == "ready", timeout=60_000)
         assert not win.banner.isVisible()
         # Still serving after the recovery.
-        _send(win, "Still there?", 6)
+        send_chat(win, "Still there?", 6)
         conv = win.chat.current
         qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
         assert conv.messages[-1].stats["completion_tokens"] == 6
         # Killed mid-reply: not answering, then (no process to watch) given up on.
-        _send(win, "Keep talking.", 400)
+        send_chat(win, "Keep talking.", 400)
         reply = win.chat.current.messages[-1]
         qtbot.waitUntil(lambda: len(reply.content) > 0, timeout=60_000)
         engine.proc.kill()

@@ -13,21 +13,11 @@ from app.conversations import ConversationStore
 from app.settings import open_settings
 from app.supervisor import EngineOptions
 from ipc import protocol as P
+from tests.ui.conftest import DictSettings
 from ui.main_window import EngineSource, MainWindow
 from ui.status_bar import kv_formula, tier_counters_text
 
 MIB, GIB = 1 << 20, 1 << 30
-
-
-class _DictSettings:
-    def __init__(self, values: dict) -> None:
-        self.values = dict(values)
-
-    def value(self, key: str):
-        return self.values.get(key)
-
-    def setValue(self, key: str, value) -> None:  # noqa: N802 - QSettings' name
-        self.values[key] = value
 
 
 def _flag(args: list[str], flag: str) -> str | None:
@@ -48,13 +38,13 @@ def test_engine_options_pass_the_kv_flags():
 
 def test_engine_options_take_the_kv_choices_from_the_settings(tmp_path):
     parse = app_main.build_parser().parse_args
-    opts = app_main._engine_options(parse([]), _DictSettings({}), tmp_path)
+    opts = app_main._engine_options(parse([]), DictSettings({}), tmp_path)
     assert (opts.kv_cache_dtype, opts.kv_host_memory, opts.kv_disk_dir, opts.kv_disk_bytes) == (
         None, None, None, None)
-    good = _DictSettings({"engine/kv_cache_dtype": "int8"})
+    good = DictSettings({"engine/kv_cache_dtype": "int8"})
     assert app_main._engine_options(parse([]), good, tmp_path).kv_cache_dtype == "int8"
     # QSettings' INI files give strings back
-    tiers = _DictSettings({"engine/kv_host_memory": str(GIB), "engine/kv_disk_bytes": str(8 * GIB)})
+    tiers = DictSettings({"engine/kv_host_memory": str(GIB), "engine/kv_disk_bytes": str(8 * GIB)})
     opts = app_main._engine_options(parse([]), tiers, tmp_path)
     assert opts.kv_host_memory == GIB and opts.kv_disk_bytes == 8 * GIB
     assert opts.kv_disk_dir == str(tmp_path / "kv-cache")
@@ -77,7 +67,7 @@ def test_engine_options_take_the_kv_choices_from_the_settings(tmp_path):
 )
 def test_garbage_kv_settings_start_the_engine_default(tmp_path, values):
     opts = app_main._engine_options(app_main.build_parser().parse_args([]),
-                                    _DictSettings(values), tmp_path)
+                                    DictSettings(values), tmp_path)
     assert (opts.kv_cache_dtype, opts.kv_host_memory, opts.kv_disk_dir, opts.kv_disk_bytes) == (
         None, None, None, None)
     args = opts.to_args()
@@ -85,7 +75,7 @@ def test_garbage_kv_settings_start_the_engine_default(tmp_path, values):
 
 
 def test_int8_next_to_a_tier_in_the_settings_never_starts_a_failing_engine(tmp_path):
-    both = _DictSettings({"engine/kv_cache_dtype": "int8", "engine/kv_host_memory": str(GIB)})
+    both = DictSettings({"engine/kv_cache_dtype": "int8", "engine/kv_host_memory": str(GIB)})
     opts = app_main._engine_options(app_main.build_parser().parse_args([]), both, tmp_path)
     assert opts.kv_cache_dtype == "auto" and opts.kv_host_memory == GIB
 

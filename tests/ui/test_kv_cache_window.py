@@ -10,19 +10,11 @@ from PySide6.QtWidgets import QApplication
 from app.conversations import ConversationStore
 from app.settings import open_settings
 from app.supervisor import EngineOptions
-from tests.ui.conftest import tiny_engine_command
+from tests.ui.conftest import send_chat, tiny_engine_command
 from ui.main_window import EngineSource, MainWindow, wait_until
 
 pytestmark = pytest.mark.slow
 HOST_BYTES = 1 << 20  # 128 blocks of the tiny model (2 layers · 2 · 2 heads · 16 · 4 B · 16)
-
-
-def _send(win: MainWindow, text: str, max_tokens: int) -> None:
-    win.chat.temperature.setValue(0.0)
-    win.chat.max_tokens.setValue(max_tokens)
-    win.chat.new_conversation()
-    win.chat.input.setPlainText(text)
-    assert win.chat.send_current() is not None
 
 
 def test_host_tier_then_int8_from_the_menu(qtbot, tmp_path):
@@ -43,7 +35,7 @@ def test_host_tier_then_int8_from_the_menu(qtbot, tmp_path):
         assert "KV tiers host 1 MiB" in w.kv_label.text()
         assert w.kv_cache_actions["host"][HOST_BYTES].isChecked()  # an extra "1 MiB" entry
         # Telemetry frames carry the tier's counters: the tier line appears.
-        _send(w, "Tell me about paged attention and the blocks of a KV cache.", 24)
+        send_chat(w, "Tell me about paged attention and the blocks of a KV cache.", 24)
         qtbot.waitUntil(lambda: not w.status.tiers_label.isHidden(), timeout=60_000)
         assert "host tier" in w.status.tiers_label.text()
         assert "/128 blocks" in w.status.tiers_label.text()
@@ -59,7 +51,7 @@ def test_host_tier_then_int8_from_the_menu(qtbot, tmp_path):
         assert "KV tiers" not in w.kv_label.text()
         assert w.status.tiers_label.isHidden()
         assert w.settings.value("engine/kv_cache_dtype") == "int8"
-        _send(w, "Still there?", 6)
+        send_chat(w, "Still there?", 6)
         conv = w.chat.current
         qtbot.waitUntil(lambda: not w.chat.busy(conv.id), timeout=60_000)
         assert conv.messages[-1].stats["completion_tokens"] == 6
