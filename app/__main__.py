@@ -226,7 +226,7 @@ KV_DISK_MAX_BYTES = 1 << 44
 def _kv_options(settings, ddir: Path | None) -> dict[str, Any]:
     """EngineOptions' KV fields from *Engine → KV cache* (engine/kv_cache_dtype,
     engine/kv_host_memory and engine/kv_disk_bytes). A value that is not one the engine takes is
-    dropped; so is int8 next to a tier (the engine cannot combine them yet, and must start)."""
+    dropped."""
 
     def stored_bytes(key: str, most: int) -> int:
         value = settings.value(f"engine/{key}")
@@ -242,11 +242,6 @@ def _kv_options(settings, ddir: Path | None) -> dict[str, Any]:
     dtype = dtype if isinstance(dtype, str) and dtype in KV_CACHE_DTYPES else None
     host = stored_bytes("kv_host_memory", KV_HOST_MAX_BYTES)
     disk = stored_bytes("kv_disk_bytes", KV_DISK_MAX_BYTES) if ddir is not None else 0
-    if dtype == "int8" and (host or disk):
-        logging.getLogger(__name__).warning(
-            "settings ask for an int8 KV cache and a lower KV tier, which the engine cannot "
-            "combine yet: starting with the model's dtype")
-        dtype = "auto"
     return {
         "kv_cache_dtype": dtype,
         "kv_host_memory": host or None,

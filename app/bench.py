@@ -5,6 +5,7 @@ and its HTTP front-end against its ZeroMQ protocol.
     python -m app.bench --repeats 3 --out bench_out
     python -m app.bench --workloads streaming --repeats 2   # HTTP vs ZeroMQ, 32 streams
     python -m app.bench --workloads streams    # decode tok/s at 1, 4, 16, 64 concurrent streams
+    python -m app.bench --workloads tiered,restart,kv-int8 --repeats 1   # KV tiers, int8 KV
 
 Workloads are built from a seed (app/bench_workloads.py: token ids drawn from the model's
 ordinary vocabulary, output lengths, arrival times) and written as JSON; each (system, workload,
@@ -35,6 +36,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.bench_clients import CLIENT_SYSTEMS
+from app.bench_disagg_table import DISAGG_SYSTEMS, DISAGG_WORKLOADS, disagg_rows, disagg_summary
+from app.bench_kv_table import build_kv_rows
 from app.bench_plots import NO_PLOTS, write_plots
 from app.bench_stats import summarize_workload
 from app.bench_table import build_rows, build_streams_rows, format_streams_table, format_table
@@ -78,6 +81,9 @@ def worker_command(system: str, workload_path: Path | None, args: argparse.Names
         common += ["--workload", absolute(workload_path)]
     if args.model:
         common += ["--model", absolute(args.model)]
+    if system in DISAGG_SYSTEMS:  # spawns its engines (one, or a prefill and a decode one)
+        return [sys.executable, "-m", "app.bench_disagg", *common,
+                "--timeout", str(max(1.0, timeout - 30.0))]
     if system in CLIENT_SYSTEMS:
         # Engine start-up (the model load) is outside the measurement but inside `timeout`.
         return [sys.executable, "-m", "app.bench_clients", *common,
@@ -137,12 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="small counts and lengths, one repeat (a few minutes on 2 cores)")
     ap.add_argument("--repeats", type=int, default=None, help="default 3, --quick 1")
-    ap.add_argument("--workloads", default=None,
-                    help=f"comma-separated subset of {','.join(WORKLOADS)}; `streams` = the "
-                    "streams-N workloads (N = 1,4,16,64; --quick 1,4,16) (default: all)")
+    ap.add_argument("--workloads", default=None, nargs="+",
+                    help=f"comma- or space-separated subset of {','.join(WORKLOADS)}; "
+                    "`streams` = the streams-N workloads (N = 1,4,16,64; --quick 1,4,16), "
+                    "`kv-int8` = kv-capacity,kv-decode-4k (default: all)")
     ap.add_argument("--systems", default="kvscope,hf,llamacpp",
                     help="which of kvscope,hf,llamacpp to run (the kvscope variants, "
                     "kvscope-zmq and kvscope-http included, follow kvscope)")
+    ap.add_argument("--disaggregation", action="store_true",
+                    help="also run interference and mixed on one colocated engine vs a prefill "
+                    "and a decode engine (the cores split between them), same client")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -173,13 +183,16 @@ def _sizes(args: argparse.Namespace) -> Sizes:
     return s
 
 
-def _plan(workloads: list[str], systems: list[str]) -> list[tuple[str, str]]:
+def _plan(workloads: list[str], systems: list[str],
+          disaggregation: bool = False) -> list[tuple[str, str]]:
     plan = []
     for w in workloads:
         for system in WORKLOAD_SYSTEMS[w]:
             family = system.split("-")[0]
             if family in systems:
                 plan.append((w, system))
+        if disaggregation and w in DISAGG_WORKLOADS:
+            plan += [(w, system) for system in DISAGG_SYSTEMS]
     return plan
 
 
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = _sizes(args)
     try:
         workloads = (default_workloads(sizes) if args.workloads is None else expand_workloads(
-            [w.strip() for w in args.workloads.split(",") if w.strip()], sizes))
+            [w.strip() for arg in args.workloads for w in arg.split(",") if w.strip()], sizes))
     except ValueError as exc:
         print(f"error: --workloads: {exc}", file=sys.stderr)
         return 2
@@ -226,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         wl_paths[w] = out / "workloads" / f"{w}.json"
         wl_paths[w].write_text(json.dumps(wl_defs[w]))
 
-    plan = _plan(workloads, systems)
+    plan = _plan(workloads, systems, args.disaggregation)
     runs: dict[str, dict[str, list[dict]]] = {w: {} for w in workloads}
     total = len(plan) * repeats
     done = 0
@@ -247,13 +260,18 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("[%d/%d] %s: %s -> %s", done, total, w, system, _brief(result))
     summary = {w: {s: summarize_workload(w, rs, wl_defs[w]) for s, rs in by.items()}
                for w, by in runs.items()}
-    rows = build_rows(summary, ceilings)
+    for w, by in runs.items():
+        for system in DISAGG_SYSTEMS:
+            if system in by and "error" not in summary[w][system]:
+                summary[w][system].update(disagg_summary(by[system]))
+    rows = build_rows(summary, ceilings) + build_kv_rows(summary) + disagg_rows(summary)
     streams_rows = build_streams_rows(summary)
     header = (f"KVScope bench ({'quick' if args.quick else 'full'}, {repeats} repeat(s), "
               f"{args.threads} thread(s), {args.dtype}, {model['name']}, hf static batch "
               f"{sizes.hf_batch}, interference chunk {sizes.interf_chunk}); ratio = kvscope "
               f"over baseline (for latencies: baseline over kvscope; streaming: kvscope-http "
-              f"over kvscope-zmq), medians over repeats")
+              f"over kvscope-zmq; KV tiers: the tier system against recomputing; int8 KV: "
+              f"kvscope-kvint8 over the model-dtype KV), medians over repeats")
     text = [header]
     if rows:
         text.append(format_table(rows))

@@ -384,19 +384,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    start = time.monotonic()
-    header = {"system": args.system, "dtype": args.dtype, "pid": os.getpid(),
-              "workload": os.path.splitext(os.path.basename(args.workload))[0]}
     if args.system == "kvscope-http":
         import importlib.util
 
         if importlib.util.find_spec("httpx") is None:
-            print(json.dumps(header | {"skipped": "httpx is not installed (pip install httpx)"}))
+            print(json.dumps(run_header(args) | {"skipped": "httpx is not installed (pip install "
+                                                  "httpx)"}))  # fmt: skip
             return 0
+    return run_and_report(args, run)
+
+
+def run_header(args: argparse.Namespace) -> dict:
+    return {"system": args.system, "dtype": args.dtype, "pid": os.getpid(),
+            "workload": os.path.splitext(os.path.basename(args.workload))[0]}
+
+
+def run_and_report(args: argparse.Namespace, run_one: Callable[[argparse.Namespace], dict]) -> int:
+    """A worker's CLI: run, then one JSON line on stdout (the result, or the run's error)."""
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start = time.monotonic()
+    header = run_header(args)
     try:
-        result = run(args)
+        result = run_one(args)
     except Exception as exc:  # noqa: BLE001 - a CLI: report any failure as the run's error
         log.debug("run failed", exc_info=True)
         exc_text = f"{type(exc).__name__}: {exc}"

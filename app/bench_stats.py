@@ -7,6 +7,8 @@ import math
 import statistics
 from typing import Any
 
+from app.bench_kv_stats import summarize_kv
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
@@ -137,6 +139,7 @@ def summarize_workload(name: str, runs: list[dict], workload: dict) -> dict:
         weights = {(r.get("model_info") or {}).get("decode_weights") for r in ok} - {None}
         if weights:
             s["decode_weights"] = ",".join(sorted(weights))
+    s.update(summarize_kv(name, ok, workload))
     kv = [r["kv"] for r in ok if r.get("kv") and r["kv"].get("paged_token_occupancy")]
     block = (ok[0].get("engine_config") or {}).get("block_size")
     if kv and block:

@@ -11,12 +11,14 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from app.bench_kv_workloads import KV_BUILDERS, KV_GROUPS, KV_WORKLOAD_SYSTEMS, KV_WORKLOADS
+
 # N concurrent greedy streams, all arriving at once, for N in Sizes.streams_levels: one workload
 # per N (each its own fresh process per system, like every workload), `streams` names them all.
 STREAMS_LEVELS = (1, 4, 16, 64)
 STREAMS_WORKLOADS = tuple(f"streams-{n}" for n in STREAMS_LEVELS)
 WORKLOADS = ("single", "prefill", "mixed", "mixed-poisson", "shared-prefix", "interference",
-             "streaming", *STREAMS_WORKLOADS)
+             "streaming", *STREAMS_WORKLOADS, *KV_WORKLOADS)
 # Which systems each workload compares (llamacpp only where it is a like-for-like serving test).
 WORKLOAD_SYSTEMS = {
     "single": ("kvscope", "kvscope-int4", "hf", "llamacpp"),
@@ -28,6 +30,8 @@ WORKLOAD_SYSTEMS = {
     # The engine process behind its two front-ends, driven by app.bench_clients.
     "streaming": ("kvscope-zmq", "kvscope-http"),
     **{w: ("kvscope", "hf", "llamacpp") for w in STREAMS_WORKLOADS},
+    # KVScope configurations only (app/bench_kv_workloads.py).
+    **KV_WORKLOAD_SYSTEMS,
 }
 # kvscope's decode weights in the streams workloads: what the app runs on a CPU by default
 # (`auto`: 4-bit copies for steps of at most 16 tokens where supported, else dense).
@@ -60,6 +64,22 @@ class Sizes:
     streams_levels: tuple[int, ...] = STREAMS_LEVELS  # which N `--workloads streams` runs
     streams_len: int = 29  # prompt tokens of every stream (the issue's table)
     streams_new: int = 128  # new tokens of every stream, EOS ignored
+    # KV tiers and int8 KV (app/bench_kv_workloads.py)
+    tiered_prompts: int = 16  # distinct system prompts in rotation
+    tiered_len: int = 2000  # tokens of each system prompt
+    tiered_pool_prompts: int = 4  # the pool holds this many requests
+    tiered_requests: int = 24  # the first rotation computes; the rest are measured
+    tiered_user: int = 8  # each request's own user turn (under one KV block)
+    tiered_out: int = 1
+    restart_prompts: int = 2
+    restart_len: int = 2000
+    kvcap_memory: int = 32 * 2**20  # the fixed kv_cache_memory of both KV dtypes
+    kvcap_seqs: int = 24  # more than int8 KV holds at once for the default model
+    kvcap_prompt: int = 120
+    kvcap_new: int = 8
+    kv4k_prompt: int = 4064  # decode from 4,064 to 4,096 tokens of context
+    kv4k_new: int = 32
+    kv4k_memory: int = 256 * 2**20  # the engine's default pool bytes
     hf_batch: int = 8
 
 
@@ -71,6 +91,8 @@ QUICK = Sizes(
     interf_streams=4, interf_long=256, interf_chunk=32, interf_warm=4, interf_tail=4,
     streams_out=32,  # still 32 streams: the HTTP target is about that many at once
     streams_levels=(1, 4, 16), streams_new=32,
+    tiered_prompts=6, tiered_len=256, tiered_pool_prompts=2, tiered_requests=9,
+    restart_prompts=1, restart_len=256, kvcap_seqs=24, kv4k_prompt=1008, kv4k_new=16,
     hf_batch=4,  # three static batches for twelve requests, like 64 requests in batches of 8
 )
 
@@ -82,15 +104,17 @@ def streams_level(name: str) -> int | None:
 
 
 def expand_workloads(names: list[str], sizes: Sizes) -> list[str]:
-    """`--workloads` names with `streams` replaced by the streams-N workloads of `sizes`; raises
-    ValueError naming unknown ones."""
+    """`--workloads` names with `streams` replaced by the streams-N workloads of `sizes` and
+    `kv-int8` by the int8 KV workloads; raises ValueError naming unknown ones."""
     out: list[str] = []
     for name in names:
         group = [f"streams-{n}" for n in sizes.streams_levels] if name == "streams" else [name]
+        group = list(KV_GROUPS.get(name, group))
         for w in group:
             if w not in WORKLOADS:
-                raise ValueError(f"unknown workload {w!r}; allowed: {', '.join(WORKLOADS)} "
-                                 "and streams (the streams-N workloads)")
+                raise ValueError(f"unknown workload {w!r}; allowed: {', '.join(WORKLOADS)}, "
+                                 "streams (the streams-N workloads) and kv-int8 "
+                                 f"({' '.join(KV_GROUPS['kv-int8'])})")
             if w not in out:
                 out.append(w)
     return out
@@ -178,6 +202,8 @@ def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab) -> dict:
         engine = {"decode_weights": STREAMS_DECODE_WEIGHTS}
         meta.update(streams=n, decode_weights=STREAMS_DECODE_WEIGHTS)
         hf_batch = n  # transformers serves all N in one static batch (no padding: same length)
+    elif name in KV_BUILDERS:
+        reqs, engine, meta = KV_BUILDERS[name](s, rng, vocab)
     else:  # streaming
         reqs = [_request(f"s{i}", vocab.draw(rng, rng.randint(*s.streams_prompt)),
                          s.streams_out, arrival_s=0.0) for i in range(s.streams_n)]

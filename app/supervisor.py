@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # What `engine_proc serve` accepts (app/ must not import engine_proc to ask it).
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_WEIGHTS = ("auto", "dense", "int4")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_DISK_SUBDIR = "kv-cache"  # the disk KV tier's directory, inside the app's data directory
 
 
@@ -45,8 +45,7 @@ class EngineOptions:
     max_model_len: int | None = None
     decode_weights: str | None = None
     num_threads: int | None = None  # torch threads of a CPU engine; None = torch's default
-    # KV element type ("auto" | "int8") and the lower KV tiers (bytes; a directory); int8 cannot
-    # be combined with the tiers yet (the engine refuses to start).
+    # KV element type ("auto" | "int8" | "fp8") and the lower KV tiers (bytes; a directory).
     kv_cache_dtype: str | None = None
     kv_host_memory: int | None = None
     kv_disk_dir: str | None = None

@@ -7,9 +7,10 @@
 per (system, workload, repeat), so every system gets byte-identical inputs and none inherits
 another's warm state or memory. Systems:
 
-- kvscope, kvscope-int4 (4-bit decode weights), kvscope-nocache (prefix caching off),
-  kvscope-nochunk (long_prefill_chunk 0 and a token budget that holds the longest prompt): the
-  in-process LLMEngine (this module).
+- kvscope and its variants (kvscope-int4: 4-bit decode weights, kvscope-nocache,
+  kvscope-nochunk, and the KV-memory configurations kvscope-recompute, kvscope-host,
+  kvscope-disk, kvscope-kvint8): the in-process LLMEngine (engine_proc/bench_kvscope.py; the
+  serving loop: engine_proc/bench_serve.py).
 - hf: transformers `generate()` with static batching (engine_proc/bench_hf.py).
 - llamacpp: llama-cpp-python's batched C API when importable, else a `skipped` result with the
   reason (engine_proc/bench_llamacpp.py).
@@ -18,12 +19,13 @@ another's warm state or memory. Systems:
 
 Workload JSON: {"name", "requests": [{"id", "prompt": [ids], "max_tokens",
 "arrival_s" | "after": {"request": id, "tokens": n (-1 = finished)}, optional "temperature",
-"seed"}], "engine": {EngineConfig overrides}, "hf_batch": N}. Times are `time.monotonic()`
-seconds, relative to the run start (engine_proc/bench_common.py: parsing, arrivals, results).
+"seed"}], "engine": {EngineConfig overrides}, "hf_batch": N, "meta": {...}}. Times are
+`time.monotonic()` seconds, relative to the run start (engine_proc/bench_common.py: parsing,
+arrivals, results).
 
-Loading the default GGUF takes ~10 s (engine) and ~60 s (transformers) of dequantization, so the
-dequantized weights are cached under --cache-dir (keyed by file, size, mtime, dtype and loader
-version); load time is reported but never part of a measurement.
+Loading the default GGUF takes seconds (engine) and ~60 s (transformers) of dequantization, so
+the dequantized weights are cached under --cache-dir (keyed by file, size, mtime, dtype and
+loader version); load time is reported but never part of a measurement.
 """
 
 from __future__ import annotations
@@ -33,213 +35,21 @@ import json
 import logging
 import math
 import os
-import pickle
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine_proc.bench_common import (
-    WARMUP_PROMPT,
-    WARMUP_TOKENS,
-    Issuer,
-    Req,
-    cache_key,
-    model_path,
-    parse_workload,
-    peak_rss_mb,
-    request_results,
-    summarize,
-)
+from engine_proc.bench_common import peak_rss_mb
+from engine_proc.bench_kvscope import SYSTEMS as KVSCOPE_SYSTEMS
+from engine_proc.bench_kvscope import load_engine_checkpoint, run_kvscope
 from engine_proc.bench_llamacpp import FLASH_ATTN, KV_LAYOUTS
 from engine_proc.config import SUPPORTED_DTYPES
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = (
-    "kvscope",
-    "kvscope-int4",
-    "kvscope-nocache",
-    "kvscope-nochunk",
-    "hf",
-    "llamacpp",
-    "ceilings",
-)
-SNAPSHOT_EVERY = 4  # engine steps between KV occupancy samples
-
-
-# --------------------------------------------------------------------------------------------
-# Model loading with a dequantized-weights cache
-
-
-def load_engine_checkpoint(model: str | None, dtype: str, cache_dir: Path | None) -> Any:
-    """engine_proc.model_loader.load_checkpoint, cached for GGUF files."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from engine_proc.model_loader import Checkpoint, load_checkpoint
-
-    torch_dtype = getattr(torch, dtype)
-    path = model_path(model)
-    if cache_dir is None or not path.is_file():
-        return load_checkpoint(model, torch_dtype)
-    d = cache_dir / cache_key(path, dtype, "kvscope")
-    if (d / "done").exists():
-        with open(d / "meta.pkl", "rb") as f:
-            meta = pickle.load(f)
-        return Checkpoint(weights=load_file(str(d / "weights.safetensors")), **meta)
-    ckpt = load_checkpoint(str(path), torch_dtype)
-    d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, str(d / "weights.safetensors"))
-    meta = {
-        "config": ckpt.config,
-        "tokenizer": ckpt.tokenizer,
-        "model_id": ckpt.model_id,
-        "display_name": ckpt.display_name,
-    }
-    with open(d / "meta.pkl", "wb") as f:
-        pickle.dump(meta, f)
-    (d / "done").touch()
-    logger.info("cached dequantized weights in %s", d)
-    return ckpt
-
-
-# --------------------------------------------------------------------------------------------
-# kvscope
-
-
-def engine_config_for(system: str, workload: dict, args: argparse.Namespace) -> Any:
-    from engine_proc import EngineConfig
-
-    reqs = workload["requests"]
-    longest = max(len(r["prompt"]) for r in reqs)
-    kw: dict[str, Any] = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "num_threads": args.threads,
-        "device": args.device,
-    }
-    kw.update(workload.get("engine", {}))
-    # The pool holds every request at full length at once: the benchmark measures scheduling
-    # and compute, not preemption (which is still counted and reported).
-    block = kw.get("block_size", 16)
-    need = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // block) for r in reqs)
-    kw.setdefault("num_kv_blocks", args.kv_blocks or need + 64)
-    if system == "kvscope-int4":
-        kw["decode_weights"] = "int4"
-    elif system == "kvscope-nocache":
-        kw["enable_prefix_caching"] = False
-    elif system == "kvscope-nochunk":
-        kw["long_prefill_chunk"] = 0
-        kw["max_num_batched_tokens"] = max(kw.get("max_num_batched_tokens", 2048), longest + 256)
-    return EngineConfig(**kw)
-
-
-def run_kvscope(system: str, workload: dict, args: argparse.Namespace) -> dict:
-    from engine_proc import LLMEngine, SamplingParams
-
-    t_load = time.monotonic()
-    config = engine_config_for(system, workload, args)
-    ckpt = load_engine_checkpoint(args.model, args.dtype, args.cache_dir)
-    engine = LLMEngine(config, checkpoint=ckpt)
-    del ckpt
-    load_s = time.monotonic() - t_load
-    clock = engine.clock
-    engine.generate(
-        [WARMUP_PROMPT], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True)
-    )
-    engine.reset_prefix_cache()
-    base = engine.snapshot().counters
-    reqs = parse_workload(workload)
-    by_id = {r.id: r for r in reqs}
-    occ = {
-        "filled_bytes": 0.0,
-        "paged_bytes": 0.0,
-        "contiguous_bytes": 0.0,
-        "contiguous_need_bytes": 0.0,
-        "samples": 0,
-    }
-    kv_bpt = engine.kv_bytes_per_token
-    active: dict[str, Req] = {}
-    num_steps = 0
-    t0 = clock()
-    issuer = Issuer(reqs, t0)
-    while issuer.pending or active:
-        for r in issuer.due(clock()):
-            params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
-                                    seed=r.seed, ignore_eos=True)
-            engine.add_request(r.id, r.prompt, params)
-            active[r.id] = r
-        if not active:
-            issuer.wait_for_next(clock)
-            continue
-        for out in engine.step():
-            r = by_id[out.request_id]
-            r.num_out = len(out.token_ids)
-            r.num_cached = out.num_cached_tokens
-            if out.finished:
-                assert out.metrics is not None
-                r.token_times = list(out.metrics.token_times)
-                r.token_ids = list(out.token_ids)
-                r.finished = True
-                del active[r.id]
-        num_steps += 1
-        if num_steps % SNAPSHOT_EVERY == 0:
-            _sample_occupancy(engine, active, occ, kv_bpt)
-    counters = engine.snapshot().counters
-    result = summarize(reqs, t0)
-    queries = counters["prefix_cache_queries"] - base["prefix_cache_queries"]
-    hits = counters["prefix_cache_hits"] - base["prefix_cache_hits"]
-    result.update(
-        {
-            "load_s": load_s,
-            "steps": num_steps,
-            "prefix_cache_queries": queries,
-            "prefix_cache_hits": hits,
-            "prefix_hit_rate": hits / queries if queries else None,
-            "num_preemptions": counters["num_preemptions"] - base["num_preemptions"],
-            "kv": _occupancy_result(occ),
-            "engine_config": engine.live_config()
-            | {"num_kv_blocks": engine.num_blocks, "block_size": engine.block_size},
-            "model_info": engine.model_info(),
-            "requests": request_results(reqs, t0),
-        }
-    )
-    return result
-
-
-def _sample_occupancy(engine: Any, active: dict[str, Req], occ: dict, kv_bpt: int) -> None:
-    c = engine.snapshot().counters
-    in_use = c["kv_bytes_in_use"]
-    if not in_use:
-        return
-    occ["samples"] += 1
-    occ["filled_bytes"] += c["kv_token_occupancy"] * in_use
-    occ["paged_bytes"] += in_use
-    # vLLM paper's baseline reserves max_model_len per request; a kinder contiguous allocator
-    # reserves each request's own prompt + max_tokens. Both are reported.
-    occ["contiguous_bytes"] += c["contiguous_kv_bytes"]
-    occ["contiguous_need_bytes"] += kv_bpt * sum(
-        len(r.prompt) + r.max_tokens for r in active.values()
-    )
-
-
-def _occupancy_result(occ: dict) -> dict:
-    filled = occ["filled_bytes"]
-
-    def ratio(total: float) -> float | None:
-        return filled / total if total else None
-
-    n = occ["samples"]
-    return {
-        "samples": n,
-        "paged_token_occupancy": ratio(occ["paged_bytes"]),
-        "contiguous_max_len_occupancy": ratio(occ["contiguous_bytes"]),
-        "contiguous_per_request_occupancy": ratio(occ["contiguous_need_bytes"]),
-        "mean_paged_bytes": occ["paged_bytes"] / n if n else 0.0,
-        "mean_contiguous_bytes": occ["contiguous_bytes"] / n if n else 0.0,
-    }
+SYSTEMS = (*KVSCOPE_SYSTEMS, "hf", "llamacpp", "ceilings")
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from engine_proc.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVEvent,
+    ChainLink,
     KVEventLog,
 )
 
@@ -24,6 +24,11 @@ class KVBlock:
     parent: int = -1  # block holding the previous link of the hash chain (for drawing the tree)
     parent_hash: bytes | None = None  # the previous link's hash (None: a prompt's first block)
     token_ids: tuple[int, ...] = ()  # the block's tokens (KV event replays describe them)
+
+    @property
+    def link(self) -> ChainLink:
+        """What a lower tier keeps with a copy of this block, for its KV events."""
+        return ChainLink(self.parent_hash, self.token_ids)
 
 
 class BlockPool:
@@ -123,28 +128,13 @@ class BlockPool:
                 self.events.append(AllBlocksCleared())
         self.enable_caching = enabled
 
-    def replay_events(self) -> None:
-        """Queue the whole index as if built from nothing (see replay_event_list). Not bounded
-        by the log's limit: a replay is at most one event per block."""
-        if self.events is not None:
-            self.events.events.extend(self.replay_event_list())
-
-    def replay_event_list(self) -> list[KVEvent]:
-        """AllBlocksCleared, then a BlockStored per cached block, parents before children: what
-        a subscriber that lost events rebuilds its tree from."""
-        out: list[KVEvent] = [AllBlocksCleared()]
-        by_hash = {h: self.blocks[i] for h, i in self.hash_to_block.items()}
-        done: set[bytes] = set()
-        for block in by_hash.values():
-            chain: list[KVBlock] = []
-            b: KVBlock | None = block
-            while b is not None and b.block_hash not in done:
-                chain.append(b)
-                b = by_hash.get(b.parent_hash) if b.parent_hash is not None else None
-            for b in reversed(chain):
-                assert b.block_hash is not None
-                done.add(b.block_hash)
-                out.append(BlockStored(b.block_hash, b.parent_hash, list(b.token_ids), b.block_id))
+    def stored_events(self) -> list[BlockStored]:
+        """A BlockStored per cached block, as the pool's part of a replay (kv_events.full_replay
+        orders them parents first)."""
+        out = []
+        for h, block_id in self.hash_to_block.items():
+            b = self.blocks[block_id]
+            out.append(BlockStored(h, b.parent_hash, list(b.token_ids), block_id))
         return out
 
     def _drop_hash(self, block: KVBlock, quiet: bool = False) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import random
 import time
@@ -13,13 +14,17 @@ from typing import Any
 import torch
 
 from engine_proc.attention import select_backend
+from engine_proc.attention.kv_fp8 import calibrate_fp8_scales, calibration_token_ids
 from engine_proc.attention.kv_quant import SCALE_DTYPE as KV_SCALE_DTYPE
-from engine_proc.attention.kv_quant import Int8TorchAttentionBackend, kv_int8_bytes_per_token
+from engine_proc.attention.kv_quant import kv_bytes_per_token
+from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
 from engine_proc.config import EngineConfig
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.kv_cache_manager import KVCacheManager, root_hash
-from engine_proc.kv_events import KVEvent, KVEventLog
+from engine_proc.kv_events import KVEvent, KVEventLog, full_replay
+from engine_proc.kv_tier_entry import BlockLayout
 from engine_proc.kv_tiers import KVTiers, model_fingerprint
+from engine_proc.kv_transfer import KVTransfer, KVTransferRequest
 from engine_proc.metrics import RequestHistograms
 from engine_proc.model_loader import Checkpoint, load_checkpoint
 from engine_proc.model_runner import ModelRunner
@@ -67,64 +72,47 @@ class LLMEngine:
             mc, ckpt.weights, self.dtype, self.device, self.max_model_len, self.decode_weights
         )
         del ckpt
-        self.kv_cache_dtype = config.kv_cache_dtype
-        int8_kv = config.kv_cache_dtype == "int8"
-        if int8_kv:
-            self.kv_bytes_per_token = kv_int8_bytes_per_token(
-                mc.num_layers, mc.num_kv_heads, mc.head_dim
-            )
-        else:
-            self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype.itemsize)
+        self.kv_cache_dtype = kv_dtype = config.kv_cache_dtype
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            kv_dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+        )
         self.block_size = config.block_size
         self.block_bytes = self.kv_bytes_per_token * self.block_size
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // self.block_bytes)
         kv_cache = torch.zeros(
             (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=torch.int8 if int8_kv else self.dtype,
+            dtype=kv_pool_dtype(kv_dtype, self.dtype),
             device=self.device,
         )
-        kv_scales = None
-        if int8_kv:
-            if config.kv_host_memory or config.kv_disk_dir is not None:
-                raise ValueError(
-                    "kv_cache_dtype='int8' cannot be combined with kv_host_memory / kv_disk_dir "
-                    "yet; use kv_cache_dtype='auto' with the lower KV tiers"
-                )
+        kv_scales = None  # int8: a float16 scale per token, layer, K/V and KV head
+        if kv_dtype == "int8":
             kv_scales = torch.ones(kv_cache.shape[:-1], dtype=KV_SCALE_DTYPE, device=self.device)
+        kv_layer_scales = None  # fp8: one scale per layer for K and V, from a fixed prompt
+        if kv_dtype == "fp8":
+            if progress is not None:
+                progress(0.98, "calibrating the fp8 KV cache's scales")
+            ids = calibration_token_ids(self.tokenizer)[: self.max_model_len]
+            kv_layer_scales = calibrate_fp8_scales(self.model, ids, self.block_size)
         logger.info(
-            "KV cache: %d B/token (2 x %d layers x %d kv heads x %d dim x %d B); pool %d blocks "
+            "KV cache %s: %d B/token (2 x %d layers x %d kv heads x %d dim, %s); pool %d blocks "
             "x %d tokens = %.1f MiB",
+            kv_dtype,
             self.kv_bytes_per_token,
             mc.num_layers,
             mc.num_kv_heads,
             mc.head_dim,
-            self.dtype.itemsize,
+            {"int8": "1 B + a 2 B scale per head", "fp8": "1 B"}.get(
+                kv_dtype, f"{self.dtype.itemsize} B"
+            ),
             num_blocks,
             self.block_size,
             kv_cache.nbytes / 2**20,
         )
-        if int8_kv:
-            logger.info(
-                "KV cache dtype int8: %d B/token (2 x %d layers x %d kv heads x (%d x 1 B + "
-                "%d B scale))",
-                self.kv_bytes_per_token,
-                mc.num_layers,
-                mc.num_kv_heads,
-                mc.head_dim,
-                KV_SCALE_DTYPE.itemsize,
-            )
         self.num_blocks = num_blocks
-        self.backend = select_backend(config.attention_backend, self.device)
-        if int8_kv:
-            if self.backend.name != "torch":
-                if config.attention_backend == "triton":
-                    raise ValueError(
-                        "kv_cache_dtype='int8' runs on the torch attention backend only (yet); "
-                        "use attention_backend='torch' or 'auto'"
-                    )
-                logger.warning("int8 KV cache: using the torch attention backend")
-            self.backend = Int8TorchAttentionBackend()
-        self.runner = ModelRunner(self.model, kv_cache, self.backend, kv_scales, self.dtype)
+        self.backend = select_backend(config.attention_backend, self.device, kv_dtype)
+        self.runner = ModelRunner(
+            self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,
+        )  # fmt: skip
         if config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self._capture_decode_graphs(progress)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
@@ -134,6 +122,9 @@ class LLMEngine:
             f"{self.model_id}|rev={model_fingerprint(ckpt_model_id)}|kv_dtype={self.kv_cache_dtype}"
             f"|block_size={self.block_size}"
         )
+        if kv_layer_scales is not None:  # fp8 codes mean nothing without their scales
+            digest = hashlib.sha256(kv_layer_scales.detach().cpu().float().numpy().tobytes())
+            self.cache_identity += f"|fp8_scales={digest.hexdigest()[:16]}"
         if config.kv_host_memory or config.kv_disk_dir is not None:
             self.kv.attach_tiers(
                 KVTiers(
@@ -143,8 +134,13 @@ class LLMEngine:
                     disk_dir=config.kv_disk_dir,
                     disk_bytes=config.kv_disk_bytes,
                     write_through=config.kv_tier_policy == "write_through",
+                    kv_scales=kv_scales,  # a tier entry carries the block's scales too
                 )
             )
+        # Prefill/decode disaggregation: leases and adoption of pulled blocks.
+        self.transfer = KVTransfer(
+            self.kv, BlockLayout([kv_cache] + ([kv_scales] if kv_scales is not None else []))
+        )
         self.scheduler = Scheduler(
             self.kv,
             SchedulerLimits(
@@ -184,6 +180,7 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        kv_transfer: KVTransferRequest | None = None,
     ) -> None:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -202,7 +199,10 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad_bias[:5]}")
         prompt_ids = self.tokenize(prompt)
         limit = self.max_total_tokens
-        if len(prompt_ids) >= limit:
+        given = list(kv_transfer.output_token_ids) if kv_transfer is not None else []
+        if given:
+            self._check_given_outputs(given, params)
+        if len(prompt_ids) + len(given) >= limit:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; it must be shorter than the context limit "
                 f"of {limit} tokens (max_model_len {self.max_model_len}, KV pool "
@@ -213,7 +213,7 @@ class LLMEngine:
         seq = Sequence(
             request_id=request_id,
             index=0,
-            token_ids=list(prompt_ids),
+            token_ids=list(prompt_ids) + given,
             num_prompt_tokens=len(prompt_ids),
             params=params,
             seed=seed,
@@ -224,9 +224,32 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             num_forks=params.n,
         )
+        if kv_transfer is not None:
+            self._take_over(seq, kv_transfer)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         self.stats.request_prompt_tokens_total += len(prompt_ids)
+
+    def _check_given_outputs(self, given: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in given):
+            raise ValueError(f"kv_transfer.output_token_ids must be in [0, {vocab}), got {given}")
+        if params.n != 1 or len(given) >= params.max_tokens:
+            raise ValueError(
+                f"kv_transfer.output_token_ids ({len(given)}) needs n == 1 and fewer tokens "
+                f"than max_tokens ({params.max_tokens})"
+            )
+
+    def _take_over(self, seq: Sequence, kv_transfer: KVTransferRequest) -> None:
+        """A disaggregated request: lease its prompt at the end (prefill role), or continue
+        after the tokens a prefill engine produced, on the blocks it pulled (decode role)."""
+        seq.lease_on_finish = kv_transfer.do_remote_decode
+        if seq.num_output_tokens:
+            det = seq.detokenizer
+            det.add_tokens(seq.output_token_ids)  # their text was streamed by the prefill engine
+            det.emitted = len(det.text)
+        if kv_transfer.payloads or seq.num_output_tokens:
+            seq.held_blocks = self.transfer.adopt(seq, kv_transfer.payloads)
 
     @property
     def max_total_tokens(self) -> int:
@@ -323,6 +346,8 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = start
+            if seq.held_blocks:  # admitted: its own block table references them now
+                self.transfer.release_held(seq)
         try:
             logits, sampling = self.runner.execute(batch)
         except Exception as exc:  # keep serving everyone else's next requests
@@ -385,8 +410,12 @@ class LLMEngine:
             hit_stop = seq.detokenizer.add_tokens([token])
             reason = seq.check_stop(hit_stop)
             if reason is not None:
+                handoff = None
+                if seq.lease_on_finish and reason == "length":
+                    handoff = self.transfer.lease(seq, now)
                 self.scheduler.remove(seq)
                 out = self._finish(seq, reason, None, new_token_ids=[token])
+                out.kv_handoff = handoff
             else:
                 out = self._output(seq, [token], seq.detokenizer.take_delta(final=False))
             if raw is not None:
@@ -447,6 +476,7 @@ class LLMEngine:
     ) -> RequestOutput:
         seq.status = SequenceStatus.FINISHED
         seq.num_forks = 1  # a request that ends before its prompt is done never forks
+        self.transfer.release_held(seq)
         seq.finish_reason = reason
         seq.error = error
         seq.metrics.finished_time = self.clock()
@@ -529,11 +559,15 @@ class LLMEngine:
         self.kv.pool.set_caching(enabled)
         return self.live_config()
 
-    def enable_kv_events(self) -> None:
-        """Record KV cache events (engine_proc/kv_events.py) for drain_kv_events()."""
-        if self.kv.pool.events is None:
-            self.kv.pool.events = KVEventLog()
-            self.kv.pool.replay_events()  # whatever is already cached
+    def enable_kv_events(self, log: KVEventLog | None = None) -> None:
+        """Record KV cache events (engine_proc/kv_events.py) of the pool and the lower tiers
+        into one log (a fresh one unless given) for drain_kv_events()."""
+        if self.kv.pool.events is None or log is not None:
+            log = log or KVEventLog()
+            self.kv.pool.events = log
+            if self.kv.tiers is not None:
+                self.kv.tiers.set_events(log)
+            log.queue_replay(self.kv_event_replay())  # whatever is already cached
 
     def drain_kv_events(self) -> tuple[list[KVEvent], bool]:
         """Events since the last call, and whether a replay had to replace lost ones."""
@@ -542,12 +576,21 @@ class LLMEngine:
             return [], False
         events, overflowed = log.drain()
         if overflowed:  # the log was not drained in time: describe the index from scratch
-            events = self.kv.pool.replay_event_list()
+            events = self.kv_event_replay()
         return events, overflowed
 
     def replay_kv_events(self) -> None:
-        """Queue AllBlocksCleared and the whole index, for subscribers that lost events."""
-        self.kv.pool.replay_events()
+        """Queue a full replay, for subscribers that lost events."""
+        if self.kv.pool.events is not None:
+            self.kv.pool.events.queue_replay(self.kv_event_replay())
+
+    def kv_event_replay(self) -> list[KVEvent]:
+        """AllBlocksCleared for every medium, then every block of the pool and of each lower
+        tier, parents first (engine_proc/kv_events.full_replay)."""
+        stored = self.kv.pool.stored_events()
+        if self.kv.tiers is not None:
+            stored += self.kv.tiers.stored_events()
+        return full_replay(stored)
 
     def reset_prefix_cache(self) -> bool:
         dropped = self.kv.pool.reset_prefix_cache()
@@ -585,6 +628,7 @@ class LLMEngine:
             "attention_backend": self.backend.name,
             "decode_weights": self.decode_weights,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "cache_identity": self.cache_identity,
             # lower KV tiers (engine_proc/kv_tiers.py): their capacity in bytes, 0 = no such tier
             "kv_host_bytes": self.config.kv_host_memory if tiers and tiers.host else 0,
             "kv_disk_bytes": tiers.disk.capacity_bytes if tiers and tiers.disk else 0,
@@ -614,6 +658,7 @@ class LLMEngine:
         )
         if self.kv.tiers is not None:
             snap.counters.update(self.kv.tiers.counters())
+        snap.counters.update(self.transfer.counters())
         snap.histograms = self.histograms.by_name
         snap.finished_reasons = dict(self.histograms.finished_reasons)
         return snap

@@ -41,6 +41,7 @@ class KVCacheManager:
         there after the pool (engine_proc/kv_tiers.py)."""
         self.tiers = tiers
         self.pool.on_evict = lambda block: tiers.store(block.block_hash, block.block_id)
+        tiers.link_of = lambda block_id: self.pool.blocks[block_id].link  # for the KV events
 
     @property
     def enable_caching(self) -> bool:

@@ -1,14 +1,30 @@
 """KV cache events: what the prefix cache stored and removed, in vLLM's `kv_events` schema
-(BlockStored with its parent's hash, BlockRemoved, AllBlocksCleared), so a subscriber can rebuild
-the tree of cached prefixes without reading the pool. The block pool records them as they happen;
-the server drains them into one batch per telemetry tick (docs/PROTOCOL.md, topic `kv_events`).
+(BlockStored with its parent's hash, BlockRemoved, AllBlocksCleared), each tagged with the medium
+the block lives in: the pool, or the host or disk tier below it (engine_proc/kv_tiers.py). A
+subscriber rebuilds the tree of cached prefixes, and where each block lives, without reading the
+pool. The block pool and the tiers record them as they happen into one KVEventLog; the server
+drains it into one batch per telemetry tick (docs/PROTOCOL.md, topic `kv_events`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 POOL = "pool"  # the engine's own KV pool (vLLM's "GPU" medium)
+HOST = "host"  # the host-memory tier below it
+DISK = "disk"  # the disk tier, which outlives the process
+MEDIA = (POOL, HOST, DISK)
+
+
+class ChainLink(NamedTuple):
+    """What a tier keeps of a block besides its values, so its events can name the parent."""
+
+    parent_hash: bytes | None  # None: a prompt's first block (or unknown: published as a root)
+    token_ids: tuple[int, ...]
+
+
+NO_LINK = ChainLink(None, ())
 
 
 @dataclass(slots=True)
@@ -17,7 +33,7 @@ class BlockStored:
     parent_block_hash: bytes | None  # None: the first block of a prompt
     token_ids: list[int]
     block_id: int  # where it lives in the pool (not in vLLM's schema; lets a view join telemetry)
-    medium: str = POOL
+    medium: str = POOL  # outside the pool block_id is -1
 
 
 @dataclass(slots=True)
@@ -32,6 +48,10 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def tier_stored(block_hash: bytes, link: ChainLink, medium: str) -> BlockStored:
+    return BlockStored(block_hash, link.parent_hash, list(link.token_ids), -1, medium)
 
 
 @dataclass(slots=True)
@@ -52,8 +72,40 @@ class KVEventLog:
             return
         self.events.append(event)
 
+    def queue_replay(self, replay: list[KVEvent]) -> None:
+        """Not bounded by max_events: a replay is at most one event per block and medium."""
+        self.events.extend(replay)
+
     def drain(self) -> tuple[list[KVEvent], bool]:
         """(events, overflowed): after an overflow the caller must publish a full replay."""
         events, overflowed = self.events, self.overflowed
         self.events, self.overflowed = [], False
         return events, overflowed
+
+
+def full_replay(stored: list[BlockStored]) -> list[KVEvent]:
+    """What a subscriber that lost events rebuilds its tree from: AllBlocksCleared for every
+    medium, then `stored` (a BlockStored per block and medium holding it) with each block after
+    its parent, wherever the parent lives. Blocks keep their given order otherwise, so one
+    medium's chains stay together (the wire merges them into one event each)."""
+    by_hash: dict[bytes, list[BlockStored]] = {}
+    for e in stored:
+        by_hash.setdefault(e.block_hash, []).append(e)
+    out: list[KVEvent] = [AllBlocksCleared(m) for m in MEDIA]
+    known: set[bytes] = set()  # hashes already published, in some medium
+    emitted: set[int] = set()  # id() of the events already in `out`
+    for e in stored:
+        chain: list[BlockStored] = []
+        x = e
+        while id(x) not in emitted:
+            chain.append(x)
+            emitted.add(id(x))
+            p = x.parent_block_hash
+            if p is None or p in known or p not in by_hash:
+                break
+            # the parent from the same medium when it is there too: it continues the chain
+            x = next((c for c in by_hash[p] if c.medium == x.medium), by_hash[p][0])
+        for x in reversed(chain):
+            known.add(x.block_hash)
+            out.append(x)
+    return out

@@ -133,7 +133,12 @@ def _common_prefix(a: list[int], b: list[int]):  # noqa: ANN202
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine_proc.kv_quant_eval", description=__doc__)
-    p.add_argument("--kv-cache-dtype", default="int8")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="int8",
+        choices=("int8", "fp8"),
+        help="the quantised format measured against the model-dtype cache",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model", default=None)
     p.add_argument("--text", default=None, help="a text file (default: the repository's docs)")

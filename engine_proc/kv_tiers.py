@@ -1,5 +1,7 @@
-"""KV tiers below the engine's pool: a host tier (a second, compact pool tensor; pinned on CUDA)
-and a disk tier (one file per block that outlives the process), keyed by the prefix-hash chain.
+"""KV tiers below the engine's pool: a host tier (engine_proc/kv_tier_host.py) and a disk tier
+that outlives the process (engine_proc/kv_tier_disk.py), keyed by the prefix-hash chain. An entry
+is a block's values and, for a quantised cache, its per-block scales
+(engine_proc/kv_tier_entry.py).
 
 Policy (write-back, the default): a cached block evicted from the pool is copied down into every
 enabled lower tier that lacks it; `write_through=True` also stores each block as soon as the step
@@ -9,36 +11,29 @@ block, after which it is an ordinary cached block. Loads are synchronous inside 
 step (the requesting sequence waits; on CPU there is nothing to overlap with), and one block is
 loaded at most once: it is only loaded when the pool does not hold its hash.
 
-Disk entries are `<block hash hex>.kvb` files written atomically (temp file, fsync, rename, fsync
-of the directory) with a header naming the format, the engine's cache identity (the root of its
-hash chain: model and revision, dtype, KV dtype, block size), the block hash, the payload length
-and the payload's sha256. A truncated, corrupt or foreign entry is a miss (logged, and the file is
-removed when it claims our identity); a failed write (disk full) stops disk writes, not serving.
+Entries of engines whose K/V differ never mix: the disk header carries the root of the hash
+chain, which names the model and its revision, dtype, KV dtype and block size (LLMEngine's
+cache_identity), and every block hash descends from it.
+
+KV events (engine_proc/kv_events.py): each tier publishes BlockStored (with the parent hash and
+tokens it keeps beside each entry), BlockRemoved (LRU eviction, a corrupt disk entry forgotten)
+and AllBlocksCleared under its own medium, `host` or `disk`, into the pool's event log.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import logging
-import os
-import struct
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from engine_proc.kv_events import NO_LINK, BlockStored, ChainLink, KVEventLog
+from engine_proc.kv_tier_disk import DiskTier
+from engine_proc.kv_tier_entry import BlockLayout
+from engine_proc.kv_tier_host import HostTier
 
-DISK_MAGIC = b"KVSCOPE-KVB\0"
-DISK_FORMAT = 1
-# magic, format, identity digest, block hash, payload bytes, payload sha256
-_HEADER = struct.Struct("<12sI32s32sQ32s")
-DISK_SUFFIX = ".kvb"
-_TMP_PREFIX = ".tmp-"
-_STALE_TMP_SECONDS = 3600.0
 _FINGERPRINT_SAMPLE = 1 << 16
 _WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".json")
 
@@ -69,248 +64,6 @@ def model_fingerprint(model_id: str) -> str:
     return h.hexdigest()[:16]
 
 
-@dataclass(slots=True)
-class TierStats:
-    hits: int = 0  # blocks loaded from this tier into the pool
-    stores: int = 0  # blocks written into this tier
-    evictions: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    load_seconds: float = 0.0
-    store_seconds: float = 0.0
-    misses_corrupt: int = 0  # entries found but rejected (checksum, truncated, foreign)
-    write_errors: int = 0
-
-
-class HostTier:
-    """A compact pool of whole blocks ([slots, layers, 2, block_size, kv_heads, head_dim]) with
-    an LRU index hash -> slot."""
-
-    def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 pin: bool) -> None:  # fmt: skip
-        assert num_slots > 0
-        self.num_slots = num_slots
-        self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
-        self.index: OrderedDict[bytes, int] = OrderedDict()  # LRU first
-        self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.stats = TierStats()
-
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self.index
-
-    def store(self, block_hash: bytes, block: torch.Tensor) -> None:
-        if block_hash in self.index:
-            self.index.move_to_end(block_hash)
-            return
-        if not self.free_slots:
-            _, slot = self.index.popitem(last=False)
-            self.free_slots.append(slot)
-            self.stats.evictions += 1
-        slot = self.free_slots.pop()
-        self.data[slot].copy_(block)
-        self.index[block_hash] = slot
-        self.stats.stores += 1
-        self.stats.bytes_written += block.numel() * block.element_size()
-
-    def load(self, block_hash: bytes, out: torch.Tensor) -> bool:
-        slot = self.index.get(block_hash)
-        if slot is None:
-            return False
-        out.copy_(self.data[slot])
-        self.index.move_to_end(block_hash)
-        self.stats.hits += 1
-        self.stats.bytes_read += out.numel() * out.element_size()
-        return True
-
-    def clear(self) -> None:
-        self.free_slots.extend(self.index.values())
-        self.index.clear()
-
-    def check(self) -> None:
-        slots = list(self.index.values()) + self.free_slots
-        assert sorted(slots) == list(range(self.num_slots)), "host tier slots leaked or shared"
-
-
-class DiskTier:
-    """One file per block in `directory`, an in-memory LRU index rebuilt from the files at
-    start-up (oldest modification first), at most `capacity_bytes` of entries."""
-
-    def __init__(self, directory: str, capacity_bytes: int, identity: bytes,
-                 payload_bytes: int) -> None:  # fmt: skip
-        assert len(identity) == 32
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.capacity_bytes = capacity_bytes
-        self.identity = identity
-        self.payload_bytes = payload_bytes
-        self.entry_bytes = _HEADER.size + payload_bytes
-        self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
-        self.used_bytes = 0
-        self.writable = True
-        self.stats = TierStats()
-        self._tmp_counter = 0
-        self._scan()
-
-    def path(self, block_hash: bytes) -> Path:
-        return self.dir / (block_hash.hex() + DISK_SUFFIX)
-
-    def _scan(self) -> None:
-        found: list[tuple[int, bytes, int]] = []
-        now = time.time()
-        for entry in os.scandir(self.dir):
-            name = entry.name
-            try:
-                if name.startswith(_TMP_PREFIX):  # a crash mid-write: never an entry
-                    if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
-                        os.unlink(entry.path)
-                    continue
-                if not name.endswith(DISK_SUFFIX):
-                    continue
-                block_hash = bytes.fromhex(name[: -len(DISK_SUFFIX)])
-                st = entry.stat()
-                with open(entry.path, "rb") as fh:
-                    header = fh.read(_HEADER.size)
-            except (OSError, ValueError):
-                continue
-            if len(block_hash) != 32 or not self._header_ok(header, block_hash, st.st_size):
-                if len(header) == _HEADER.size and _HEADER.unpack(header)[2] == self.identity:
-                    logger.warning("KV disk entry %s is truncated or corrupt: removed", name)
-                    self.stats.misses_corrupt += 1
-                    _unlink_quietly(Path(entry.path))
-                continue  # another model's or another format's: not ours to use
-            found.append((st.st_mtime_ns, block_hash, st.st_size))
-        for _, block_hash, size in sorted(found):
-            self.index[block_hash] = size
-            self.used_bytes += size
-        self._evict_to(self.capacity_bytes)
-        logger.info("KV disk tier %s: %d entries, %.1f MiB", self.dir, len(self.index),
-                    self.used_bytes / 2**20)  # fmt: skip
-
-    def _header_ok(self, header: bytes, block_hash: bytes, file_size: int) -> bool:
-        if len(header) != _HEADER.size:
-            return False
-        magic, fmt, identity, h, n, _ = _HEADER.unpack(header)
-        return (
-            magic == DISK_MAGIC
-            and fmt == DISK_FORMAT
-            and identity == self.identity
-            and h == block_hash
-            and n == self.payload_bytes
-            and file_size == _HEADER.size + n
-        )
-
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self.index
-
-    def store(self, block_hash: bytes, payload: bytes) -> bool:
-        if block_hash in self.index:
-            self.index.move_to_end(block_hash)
-            return True
-        if not self.writable or self.entry_bytes > self.capacity_bytes:
-            return False
-        self._evict_to(self.capacity_bytes - self.entry_bytes)
-        assert len(payload) == self.payload_bytes
-        header = _HEADER.pack(DISK_MAGIC, DISK_FORMAT, self.identity, block_hash,
-                              len(payload), hashlib.sha256(payload).digest())  # fmt: skip
-        self._tmp_counter += 1
-        tmp = self.dir / f"{_TMP_PREFIX}{block_hash.hex()}-{os.getpid()}-{self._tmp_counter}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, header)
-                view = memoryview(payload)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path(block_hash))
-            _fsync_dir(self.dir)
-        except OSError as exc:
-            self.stats.write_errors += 1
-            _unlink_quietly(tmp)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-                self.writable = False  # stop writing; serving goes on from what is there
-                logger.warning("KV disk tier %s: writes stopped (%s)", self.dir, exc)
-            else:
-                logger.warning("KV disk tier %s: write failed (%s)", self.dir, exc)
-            return False
-        self.index[block_hash] = self.entry_bytes
-        self.used_bytes += self.entry_bytes
-        self.stats.stores += 1
-        self.stats.bytes_written += self.entry_bytes
-        return True
-
-    def load(self, block_hash: bytes) -> bytes | None:
-        """The payload, or None for a miss (absent, truncated, corrupt, foreign)."""
-        if block_hash not in self.index:
-            return None
-        path = self.path(block_hash)
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read(self.entry_bytes + 1)
-        except OSError as exc:
-            logger.warning("KV disk entry %s unreadable (%s): a miss", path.name, exc)
-            self._forget(block_hash, unlink=False)
-            return None
-        header, payload = data[: _HEADER.size], data[_HEADER.size :]
-        ok = self._header_ok(header, block_hash, len(data))
-        if ok and hashlib.sha256(payload).digest() != _HEADER.unpack(header)[5]:
-            ok = False
-        if not ok:
-            logger.warning("KV disk entry %s is truncated, corrupt or foreign: a miss", path.name)
-            self.stats.misses_corrupt += 1
-            # A truncated or damaged entry of ours goes; another engine's is left alone.
-            ours = len(header) < _HEADER.size or _HEADER.unpack(header)[2] == self.identity
-            self._forget(block_hash, unlink=ours)
-            return None
-        self.index.move_to_end(block_hash)
-        self.stats.hits += 1
-        self.stats.bytes_read += len(data)
-        try:
-            os.utime(path)  # LRU order survives a restart
-        except OSError:
-            pass
-        return payload
-
-    def _forget(self, block_hash: bytes, unlink: bool) -> None:
-        size = self.index.pop(block_hash, None)
-        if size is not None:
-            self.used_bytes -= size
-        if unlink:
-            _unlink_quietly(self.path(block_hash))
-
-    def _evict_to(self, limit: int) -> None:
-        while self.index and self.used_bytes > limit:
-            block_hash = next(iter(self.index))
-            self._forget(block_hash, unlink=True)
-            self.stats.evictions += 1
-
-    def clear(self) -> None:
-        for block_hash in list(self.index):
-            self._forget(block_hash, unlink=True)
-
-    def check(self) -> None:
-        """Every indexed entry has its file, and every file that claims this engine's identity
-        is indexed."""
-        claimed = set()
-        for p in self.dir.iterdir():
-            if p.name.endswith(DISK_SUFFIX):
-                with p.open("rb") as fh:
-                    header = fh.read(_HEADER.size)
-                try:
-                    named = bytes.fromhex(p.name[: -len(DISK_SUFFIX)])
-                except ValueError:
-                    continue
-                if self._header_ok(header, named, p.stat().st_size):
-                    claimed.add(p.name)
-        ours = {self.path(h).name for h in self.index}
-        # An entry damaged after it was indexed stays indexed until a load rejects it.
-        missing = {n for n in ours if not (self.dir / n).exists()}
-        assert not missing and claimed <= ours, f"disk index differs from the files: {missing}"
-        assert self.used_bytes == sum(self.index.values()) <= max(self.capacity_bytes, 0)
-
-
 class KVTiers:
     """The lower tiers of one engine's KV pool and the copies between them and the pool."""
 
@@ -322,10 +75,10 @@ class KVTiers:
         disk_dir: str | None = None,
         disk_bytes: int = 0,
         write_through: bool = False,
+        kv_scales: torch.Tensor | None = None,  # per-block scales beside the pool (int8 KV)
     ) -> None:
-        self.kv_cache = kv_cache
-        self.block_shape = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
-        self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+        self.layout = BlockLayout([kv_cache] if kv_scales is None else [kv_cache, kv_scales])
+        self.block_bytes = self.layout.block_bytes
         self.write_through = write_through
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
@@ -337,9 +90,14 @@ class KVTiers:
             )
         if num_host:
             pin = kv_cache.device.type == "cuda"
-            self.host = HostTier(num_host, self.block_shape, kv_cache.dtype, pin)
+            self.host = HostTier(num_host, self.layout.parts, pin)
         if disk_dir is not None:
-            self.disk = DiskTier(disk_dir, disk_bytes, identity, self.block_bytes)
+            self.disk = DiskTier(
+                disk_dir, disk_bytes, identity, self.block_bytes, block_size=kv_cache.shape[3]
+            )
+        # pool block id -> the parent hash and tokens of the block it holds, for the tiers' KV
+        # events (KVCacheManager.attach_tiers sets it; without it entries are published as roots)
+        self.link_of: Callable[[int], ChainLink] | None = None
         self.loads: dict[bytes, int] = {}  # hash -> times loaded while absent from the pool
         self.queries = 0  # tokens looked up below the pool (external_prefix_cache_queries)
         self.hit_tokens = 0  # tokens loaded from below the pool (external_prefix_cache_hits)
@@ -353,8 +111,23 @@ class KVTiers:
             self.disk is not None and block_hash in self.disk
         )
 
+    def set_events(self, log: KVEventLog | None) -> None:
+        """Record the tiers' KV events into `log` (the pool's), or stop recording (None)."""
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                tier.events = log
+
+    def stored_events(self) -> list[BlockStored]:
+        """A BlockStored per entry of every tier (their part of a KV event replay)."""
+        out: list[BlockStored] = []
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                out += tier.stored_events()
+        return out
+
     def store(self, block_hash: bytes, block_id: int) -> None:
-        """Copy pool block block_id (holding block_hash) into every lower tier lacking it."""
+        """Copy pool block block_id (holding block_hash) into every lower tier lacking it, with
+        its parent hash and tokens when link_of is set."""
         need_host = self.host is not None and block_hash not in self.host
         need_disk = self.disk is not None and block_hash not in self.disk and self.disk.writable
         if self.host is not None and not need_host:
@@ -362,21 +135,22 @@ class KVTiers:
         if not (need_host or need_disk):
             return
         t0 = time.perf_counter()
-        block = self.kv_cache[:, :, block_id]
+        block = self.layout.block(block_id)
+        link = NO_LINK if self.link_of is None else self.link_of(block_id)
         if need_host:
             assert self.host is not None
-            self.host.store(block_hash, block)
+            self.host.store(block_hash, block, link)
             self.host.stats.store_seconds += time.perf_counter() - t0
         if need_disk:
             assert self.disk is not None
             t1 = time.perf_counter()
-            self.disk.store(block_hash, _to_bytes(block))
+            self.disk.store(block_hash, self.layout.to_bytes(block_id), link)
             self.disk.stats.store_seconds += time.perf_counter() - t1
 
     def load(self, block_hash: bytes, block_id: int) -> str | None:
         """Copy block_hash from the highest tier holding it into pool block block_id; the tier's
         name, or None for a miss."""
-        out = self.kv_cache[:, :, block_id]
+        out = self.layout.block(block_id)
         if self.host is not None:
             t0 = time.perf_counter()
             if self.host.load(block_hash, out):
@@ -385,12 +159,13 @@ class KVTiers:
                 return "host"
         if self.disk is not None:
             t0 = time.perf_counter()
+            link = self.disk.links.get(block_hash, NO_LINK)
             payload = self.disk.load(block_hash)
             if payload is not None:
-                out.copy_(_from_bytes(payload, out))
+                self.layout.from_bytes(payload, block_id)
                 self.disk.stats.load_seconds += time.perf_counter() - t0
                 if self.host is not None:  # promote: the next reload is a host hit
-                    self.host.store(block_hash, out)
+                    self.host.store(block_hash, out, link)
                 self._count_load(block_hash)
                 return "disk"
         return None
@@ -422,7 +197,8 @@ class KVTiers:
             s = tier.stats
             if isinstance(tier, HostTier):
                 capacity, used = tier.num_slots, len(tier.index)
-                c["kv_host_bytes_total"] = tier.num_slots * self.block_bytes
+                c["kv_host_bytes_total"] = tier.num_slots * tier.entry_bytes
+                c["kv_host_bytes_used"] = used * tier.entry_bytes
             else:
                 capacity = tier.capacity_bytes // tier.entry_bytes
                 used = len(tier.index)
@@ -441,32 +217,3 @@ class KVTiers:
             c[f"kv_{name}_load_seconds"] = s.load_seconds
             c[f"kv_{name}_store_seconds"] = s.store_seconds
         return c
-
-
-def _to_bytes(block: torch.Tensor) -> bytes:
-    return block.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
-def _from_bytes(payload: bytes, like: torch.Tensor) -> torch.Tensor:
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return flat.view(like.dtype).view(like.shape)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
+from engine_proc.attention.kv_quant import layer_caches
 from engine_proc.cuda_graphs import DecodeGraphRunner, Graph
 from engine_proc.models.llama import LlamaModel
 from engine_proc.request import Sequence
@@ -32,21 +33,14 @@ class ModelRunner:
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         backend: AttentionBackend,
         kv_scales: torch.Tensor | None = None,  # int8 KV: [num_layers, 2, num_blocks, bs, heads]
-        kv_dtype: torch.dtype | None = None,  # int8 KV: the dtype attention reads it back in
+        kv_dtype: torch.dtype | None = None,  # int8/fp8 KV: the dtype attention reads it back in
+        kv_layer_scales: torch.Tensor | None = None,  # fp8 KV: [num_layers, 2], fixed at start
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_scales = kv_scales
-        if kv_scales is None:
-            self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
-        else:
-            from engine_proc.attention.kv_quant import QuantizedKV
-
-            assert kv_dtype is not None
-            self.kv_caches = [
-                tuple(QuantizedKV(kv_cache[i, j], kv_scales[i, j], kv_dtype) for j in (0, 1))
-                for i in range(kv_cache.shape[0])
-            ]  # type: ignore[misc]
+        read_dtype = kv_dtype or kv_cache.dtype
+        self.kv_caches = layer_caches(kv_cache, kv_scales, kv_layer_scales, read_dtype)
         self.block_size = kv_cache.shape[3]
         self.backend = backend
         self.device = kv_cache.device

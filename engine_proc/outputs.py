@@ -65,6 +65,7 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs
+    kv_handoff: tuple[str, list[bytes]] | None = None  # prefill role: (lease id, block hashes)
 
     @property
     def finished(self) -> bool:

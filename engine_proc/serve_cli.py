@@ -26,6 +26,7 @@ from engine_proc.config import (
     kv_tier_options,
 )
 from engine_proc.server import EngineServer, ServerConfig
+from engine_proc.server_disagg import ROLES, TRANSFER_FAILURE_POLICIES, DisaggConfig
 from ipc import endpoints as E
 from ipc import protocol as P
 
@@ -94,6 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(prefer $KVSCOPE_TOKEN: command lines are visible to other users)",
     )
     s.add_argument("--log-level", default="INFO")
+    d = parser.add_argument_group("prefill/decode disaggregation (docs/PROTOCOL.md section 10)")
+    d.add_argument("--role", default="", choices=ROLES[1:],
+                   help="serve one half of a disaggregated pair (default: whole requests)")
+    d.add_argument("--kv-transfer-endpoint", default="tcp://127.0.0.1:*",
+                   help="prefill role: where decode engines pull KV blocks")
+    d.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                   help="prefill role: how long a finished prompt's blocks wait to be pulled")
+    d.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                   help="decode role: seconds a pull may take before it counts as failed")
+    d.add_argument("--kv-transfer-failure", default="recompute", choices=TRANSFER_FAILURE_POLICIES,
+                   help="decode role: what a failed pull does (default: recompute the prompt)")
+    d.add_argument("--kv-transfer-fault", default="", help=argparse.SUPPRESS)  # tests: drop|corrupt
 
 
 def _progress(fraction: float, message: str) -> None:
@@ -156,6 +169,14 @@ def run(args: argparse.Namespace) -> int:
             token=token,
             max_pending=args.max_pending,
             kv_events=args.kv_events,
+            disagg=DisaggConfig(
+                role=args.role,
+                transfer_endpoint=args.kv_transfer_endpoint,
+                lease_seconds=args.kv_lease_seconds,
+                transfer_timeout=args.kv_transfer_timeout,
+                transfer_failure=args.kv_transfer_failure,
+                fault=args.kv_transfer_fault,
+            ),
         )
     except ValueError as exc:
         log.error("%s", exc)
@@ -189,6 +210,11 @@ def run(args: argparse.Namespace) -> int:
         server = EngineServer(engine, cfg)
         try:
             endpoint, pub_endpoint = server.bind()
+        except ValueError as exc:  # e.g. a transfer endpoint that is not loopback
+            log.error("could not bind: %s", exc)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            server.close()
+            return 2
         except zmq.ZMQError as exc:
             log.error("could not bind: %s", exc)
             print(f"error: could not bind: {exc}", file=sys.stderr, flush=True)
@@ -204,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
             "pid": os.getpid(),
             "model": server._model_info.name if server._model_info else None,
         }
+        if server.disagg is not None:
+            ready |= {"role": args.role, "kv_transfer_endpoint": server.disagg.transfer_endpoint}
         print(f"{P.READY_PREFIX} {json.dumps(ready)}", flush=True)
         log.info("serving on %s (telemetry %s)", endpoint, pub_endpoint)
         rc = server.serve_forever()

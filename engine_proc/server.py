@@ -21,14 +21,16 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine_proc.kv_transfer import KVTransferRequest
+from engine_proc.server_control import Controls
+from engine_proc.server_disagg import DisaggConfig, Disaggregation, PendingPull
+from engine_proc.server_publish import Publishing
 from engine_proc.wire import (
     delta_of,
     finish_of,
     ids_of_undecodable,
-    kv_event_batch,
     live_config_of,
     synthetic_finish,
-    telemetry_from_snapshot,
 )
 from ipc import endpoints as E
 from ipc import protocol as P
@@ -52,6 +54,7 @@ class ServerConfig:
     token: str | None = None
     max_pending: int = 4096  # requests in flight over all clients
     kv_events: bool = True  # publish KV cache events (topic kv_events, ipc/kv_events.py)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)  # --role prefill|decode
 
     def __post_init__(self) -> None:
         if not self.telemetry_hz > 0:
@@ -85,7 +88,7 @@ class _InFlight:
     abort_message: str | None = None  # why the server aborted it, once it did
 
 
-class EngineServer:
+class EngineServer(Controls, Publishing):
     """Serves one engine object (the API in docs/DEVELOPING.md) over ZeroMQ."""
 
     def __init__(
@@ -114,6 +117,7 @@ class EngineServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self.disagg: Disaggregation | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -137,13 +141,16 @@ class EngineServer:
         self.pub.bind(pub_endpoint)
         self.endpoint = E.connect_address(self.router.getsockopt_string(zmq.LAST_ENDPOINT))
         self.pub_endpoint = E.connect_address(self.pub.getsockopt_string(zmq.LAST_ENDPOINT))
-        self._model_info = P.ModelInfo(
-            **{
-                k: v
-                for k, v in self.engine.model_info().items()
-                if k in P.ModelInfo.__struct_fields__
-            }
-        )
+        if self.cfg.disagg.role:
+            self.disagg = Disaggregation(self.cfg.disagg, self.engine, self.ctx, self.cfg.token,
+                                         self.cfg.allow_remote, self._wake)  # fmt: skip
+        info = {
+            k: v for k, v in self.engine.model_info().items() if k in P.ModelInfo.__struct_fields__
+        }
+        if self.disagg is not None:
+            info |= {"role": self.cfg.disagg.role,
+                     "kv_transfer_endpoint": self.disagg.transfer_endpoint}  # fmt: skip
+        self._model_info = P.ModelInfo(**info)
         if self.cfg.kv_events and hasattr(self.engine, "enable_kv_events"):
             self.engine.enable_kv_events()
         return self.endpoint, self.pub_endpoint
@@ -152,6 +159,9 @@ class EngineServer:
         """Ask the loop to shut down (safe from a signal handler or another thread)."""
         if self._stop_reason is None:
             self._stop_reason = reason
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -164,6 +174,9 @@ class EngineServer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        transfer = self.disagg.socket() if self.disagg is not None else None
+        if transfer is not None:
+            poller.register(transfer, zmq.POLLIN)
         try:
             while self._stop_reason is None:
                 busy = self._busy()
@@ -171,6 +184,8 @@ class EngineServer:
                 ready = dict(poller.poll(timeout_ms))
                 if self._wake_r.fileno() in ready:
                     self._drain_wake()
+                if self.disagg is not None:
+                    self._serve_transfers(transfer is not None and transfer in ready)
                 if self.router in ready or busy:
                     self._drain_router()
                 if self._stop_reason is not None:
@@ -220,6 +235,8 @@ class EngineServer:
         )
         if now - self._last_telemetry >= 1.0 / hz:
             self._publish_telemetry()
+        if self.disagg is not None:
+            self.disagg.tick()
         if now - self._last_heartbeat >= self.cfg.heartbeat_interval:
             self._last_heartbeat = now
             self._heartbeat(now)
@@ -329,16 +346,53 @@ class EngineServer:
                 request_id=rid,
             )
             return
+        kv = msg.kv_transfer
+        why = None
+        if kv is not None:
+            why = "this engine serves whole requests (no --role)" if self.disagg is None else (
+                self.disagg.refusal(kv))
+        if why is not None:
+            self._send_error(cid, P.ERR_INVALID_REQUEST, why, request_id=rid)
+            return
         try:
             params = SamplingParams(**P.sampling_to_dict(msg.sampling))
-            if msg.messages is not None:
-                prompt: Any = [{"role": m.role, "content": m.content} for m in msg.messages]
-            else:
-                prompt = msg.prompt
-            self.engine.add_request(rid, prompt, params, cache_salt=msg.cache_salt)
         except ValueError as exc:
             self._send_error(cid, P.ERR_INVALID_REQUEST, str(exc), request_id=rid)
             return
+        if msg.messages is not None:
+            prompt: Any = [{"role": m.role, "content": m.content} for m in msg.messages]
+        else:
+            prompt = msg.prompt
+        if kv is not None and kv.remote_endpoint is not None:
+            assert self.disagg is not None
+            pending = PendingPull(cid, prompt, params, msg.cache_salt,
+                                  list(kv.output_token_ids), time.monotonic())  # fmt: skip
+            if self.disagg.start_pull(rid, kv, pending):
+                self._track(client, rid, params.n)
+                return
+        transfer = self.disagg.request_of(kv) if kv is not None and self.disagg else None
+        if self._admit(cid, rid, prompt, params, msg.cache_salt, transfer):
+            self._track(client, rid, params.n)
+
+    def _track(self, client: _Client, rid: str, n: int) -> None:
+        self._inflight[rid] = _InFlight(client=client.routing_id, n=n)
+        client.requests.add(rid)
+        self._telemetry_dirty = True
+
+    def _admit(
+        self, cid: bytes, rid: str, prompt: Any, params: Any, cache_salt: str | None,
+        kv_transfer: KVTransferRequest | None = None,
+    ) -> bool:  # fmt: skip
+        """Hand a request to the engine; False (the client told why) when it refuses."""
+        try:
+            if kv_transfer is None:
+                self.engine.add_request(rid, prompt, params, cache_salt=cache_salt)
+            else:
+                self.engine.add_request(rid, prompt, params, cache_salt=cache_salt,
+                                        kv_transfer=kv_transfer)  # fmt: skip
+        except ValueError as exc:
+            self._send_error(cid, P.ERR_INVALID_REQUEST, str(exc), request_id=rid)
+            return False
         except Exception as exc:  # an engine bug: the client still hears about its request
             log.exception("add_request failed for %r", rid)
             self._send_error(cid, P.ERR_INTERNAL, f"internal error: {exc}", request_id=rid)
@@ -347,49 +401,28 @@ class EngineServer:
                     self.engine.abort_request(rid)
                 except Exception:
                     log.exception("could not abort %r after a failed add_request", rid)
-            return
-        self._inflight[rid] = _InFlight(client=cid, n=params.n)
-        client.requests.add(rid)
-        self._telemetry_dirty = True
+            return False
+        return True
 
-    def _on_tokenize(self, client: _Client, msg: P.Tokenize) -> None:
-        try:
-            if msg.messages is not None:
-                messages = [{"role": m.role, "content": m.content} for m in msg.messages]
-                ids = self.engine.tokenize_chat(messages, msg.add_generation_prompt)
-                text = self.engine.tokenizer.decode(ids)
-            else:
-                assert msg.prompt is not None
-                ids = self.engine.tokenize_text(msg.prompt, msg.add_special_tokens)
-                text = msg.prompt
-        except ValueError as exc:
-            self._send_error(
-                client.routing_id, P.ERR_INVALID_REQUEST, str(exc), request_id=msg.request_id
-            )
-            return
-        self._send_tokenized(client, msg.request_id, ids, text)
-
-    def _on_detokenize(self, client: _Client, msg: P.Detokenize) -> None:
-        try:
-            text = self.engine.detokenize(msg.token_ids)
-        except ValueError as exc:
-            self._send_error(
-                client.routing_id, P.ERR_INVALID_REQUEST, str(exc), request_id=msg.request_id
-            )
-            return
-        self._send_tokenized(client, msg.request_id, list(msg.token_ids), text)
-
-    def _send_tokenized(self, client: _Client, rid: str, ids: list[int], text: str) -> None:
-        assert self._model_info is not None
-        self._send(
-            client.routing_id,
-            P.Tokenized(
-                request_id=rid,
-                token_ids=[int(t) for t in ids],
-                text=text,
-                max_model_len=self._model_info.max_model_len,
-            ),
-        )
+    def _serve_transfers(self, pulls_waiting: bool) -> None:
+        """Prefill role: answer pulls. Decode role: admit the requests whose pull ended."""
+        assert self.disagg is not None
+        if pulls_waiting and self.disagg.server is not None:
+            self.disagg.server.drain()
+        for rid, pending, result in self.disagg.completed():
+            if rid not in self._inflight:
+                continue  # aborted while its blocks were on their way
+            if result.error and self.cfg.disagg.transfer_failure == "fail":
+                self._send_error(pending.client, P.ERR_KV_TRANSFER_FAILED,
+                                 f"KV transfer failed: {result.error}", request_id=rid)  # fmt: skip
+                self._forget(rid)
+                continue
+            transfer = KVTransferRequest(output_token_ids=pending.output_token_ids,
+                                         payloads=result.payloads)  # fmt: skip
+            if not self._admit(pending.client, rid, pending.prompt, pending.params,
+                               pending.cache_salt, transfer):  # fmt: skip
+                self._forget(rid)
+            self._telemetry_dirty = True
 
     def _on_abort(self, client: _Client, msg: P.Abort) -> None:
         rid = msg.request_id
@@ -402,51 +435,6 @@ class EngineServer:
             )
             return
         self._abort(rid, "aborted by a client")
-
-    def _on_control(self, client: _Client, msg: P.Control) -> None:
-        cid = client.routing_id
-        result: bool | None = None
-        try:
-            if msg.op == "set_limits":
-                self.engine.set_limits(
-                    max_num_seqs=msg.max_num_seqs,
-                    max_num_batched_tokens=msg.max_num_batched_tokens,
-                    long_prefill_chunk=msg.long_prefill_chunk,
-                )
-            elif msg.op == "set_prefix_caching":
-                self.engine.set_prefix_caching(bool(msg.enable_prefix_caching))
-            elif msg.op == "reset_prefix_cache":
-                result = bool(self.engine.reset_prefix_cache())
-            elif msg.op == "replay_kv_events":
-                if not hasattr(self.engine, "replay_kv_events"):
-                    raise ValueError("this engine publishes no KV cache events")
-                self.engine.replay_kv_events()
-            elif msg.op == "pause":
-                self.paused = True
-            elif msg.op == "resume":
-                self.paused = False
-        except ValueError as exc:
-            self._send_error(cid, P.ERR_INVALID_CONTROL, str(exc), control_id=msg.control_id)
-            return
-        except Exception as exc:
-            log.exception("control %r failed", msg.op)
-            self._send_error(
-                cid, P.ERR_INTERNAL, f"internal error: {exc}", control_id=msg.control_id
-            )
-            return
-        self._send(
-            cid,
-            P.ControlAck(
-                control_id=msg.control_id,
-                op=msg.op,
-                config=self._live_config(),
-                time=time.monotonic(),
-                result=result,
-            ),
-        )
-        self._publish_telemetry()  # the change shows in the very next snapshot
-        if msg.op == "shutdown":
-            self.request_stop(f"shutdown requested by client {client.name or cid.hex()}")
 
     def _on_heartbeat(self, client: _Client, msg: P.Heartbeat) -> None:
         pass  # last_seen was updated on receipt
@@ -495,7 +483,10 @@ class EngineServer:
             if out.new_token_ids or out.text_delta:
                 self._send(fl.client, delta_of(out))
             if out.finish_reason is not None and out.index not in fl.finished:
-                self._send(fl.client, finish_of(out, fl.abort_message))
+                finish = finish_of(out, fl.abort_message)
+                if self.disagg is not None:
+                    finish.kv_handoff = self.disagg.handoff(out)
+                self._send(fl.client, finish)
                 fl.finished.add(out.index)
                 if len(fl.finished) >= fl.n:
                     self._forget(out.request_id)
@@ -510,6 +501,8 @@ class EngineServer:
                 self._finish_missing(rid, out.finish_reason, out.error)
 
     def _forget(self, rid: str) -> None:
+        if self.disagg is not None:
+            self.disagg.forget(rid)
         fl = self._inflight.pop(rid, None)
         if fl is not None:
             client = self._clients.get(fl.client)
@@ -569,67 +562,13 @@ class EngineServer:
                 self._drop_client(cid, "client unreachable")
             self._dead.discard(cid)  # a client that comes back later is served again
 
-    def _heartbeat(self, now: float) -> None:
-        assert self.pub is not None
-        hb = P.Heartbeat(time=now, paused=self.paused)
-        self._publish(P.TOPIC_HEARTBEAT, hb)
-        for client in list(self._clients.values()):
-            if client.requests:
-                self._send(client.routing_id, hb)
-        self._reap_dead()
-
     def _expire_clients(self, now: float) -> None:
         for cid, client in list(self._clients.items()):
             if now - client.last_seen > self.cfg.client_timeout:
                 self._drop_client(cid, f"client silent for {now - client.last_seen:.1f} s")
 
-    def _publish(self, topic: bytes, msg: msgspec.Struct) -> None:
-        assert self.pub is not None
-        try:
-            self.pub.send_multipart([topic, P.encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a slow subscriber loses snapshots; the engine never waits for it
-
-    def _publish_kv_events(self) -> None:
-        """What the prefix cache stored and removed since the last tick, one batch."""
-        drain = getattr(self.engine, "drain_kv_events", None)
-        if drain is None:
-            return
-        try:
-            events, overflowed = drain()
-        except Exception:
-            log.exception("draining KV cache events failed")
-            return
-        if overflowed:
-            log.warning("KV cache events overflowed before a tick; published a replay instead")
-        if events:
-            self._kv_events_seq += 1
-            assert self._model_info is not None
-            batch = kv_event_batch(
-                events, self._kv_events_seq, time.monotonic(), self._model_info.block_size
-            )
-            self._publish(P.TOPIC_KV_EVENTS, batch)
-
-    def _publish_telemetry(self) -> None:
-        self._publish_kv_events()  # first: a view joins them with this snapshot's blocks
-        self._last_telemetry = time.monotonic()
-        self._telemetry_dirty = False
-        try:
-            snap = self.engine.snapshot()
-            self._telemetry_seq += 1
-            msg = telemetry_from_snapshot(
-                snap, self._telemetry_seq, self.paused, len(self._clients), self._origins()
-            )
-        except Exception:
-            log.exception("engine.snapshot() failed; no telemetry this time")
-            return
-        msg.kv_events_seq = self._kv_events_seq
-        self._publish(P.TOPIC_TELEMETRY, msg)
-
-    def _origins(self) -> dict[str, str]:
-        """Request id -> the name its client gave in hello (empty when it sent none)."""
-        names = {cid: c.name for cid, c in self._clients.items() if c.name}
-        return {rid: names[fl.client] for rid, fl in self._inflight.items() if fl.client in names}
+    def _extra_counters(self) -> dict[str, float]:
+        return self.disagg.counters() if self.disagg is not None else {}
 
     def _live_config(self) -> P.LiveConfig:
         return live_config_of(self.engine.live_config(), self.paused)
@@ -651,6 +590,8 @@ class EngineServer:
             self.close()
 
     def close(self) -> None:
+        if self.disagg is not None:
+            self.disagg.close()
         for s in (self.router, self.pub):
             if s is not None and not s.closed:
                 s.close()

@@ -173,7 +173,8 @@ def ids_of_undecodable(data: bytes) -> tuple[str | None, str | None]:
 def kv_event_batch(events: list[Any], seq: int, now: float, block_size: int) -> K.KVEventBatch:
     """engine_proc.kv_events -> one wire batch. Consecutive BlockStored events of one chain
     (each the parent of the next, as a prefill stores them) become one event with several
-    hashes, and consecutive removals one BlockRemoved, as vLLM batches them."""
+    hashes, and consecutive removals one BlockRemoved, as vLLM batches them. block_ids name
+    pool blocks: a lower tier's events (medium host or disk) carry none."""
     out: list[K.KVEventWire] = []
     for e in events:
         last = out[-1] if out else None
@@ -187,7 +188,8 @@ def kv_event_batch(events: list[Any], seq: int, now: float, block_size: int) -> 
             ):
                 last.block_hashes.append(e.block_hash)
                 last.token_ids.extend(e.token_ids)
-                last.block_ids.append(e.block_id)
+                if e.medium == "pool":
+                    last.block_ids.append(e.block_id)
             else:
                 out.append(
                     K.BlockStored(
@@ -195,7 +197,7 @@ def kv_event_batch(events: list[Any], seq: int, now: float, block_size: int) -> 
                         parent_block_hash=e.parent_block_hash,
                         token_ids=list(e.token_ids),
                         block_size=block_size,
-                        block_ids=[e.block_id],
+                        block_ids=[e.block_id] if e.medium == "pool" else [],
                         medium=e.medium,
                     )
                 )

@@ -180,6 +180,7 @@ class AsyncEngineClient:
         messages: list[P.ChatMessage] | None = None,
         sampling: P.SamplingOptions | None = None,
         cache_salt: str | None = None,
+        kv_transfer: P.KVTransferParams | None = None,
     ) -> AsyncRequestStream:
         self._check_ready()
         if request_id in self._streams:
@@ -191,6 +192,7 @@ class AsyncEngineClient:
             messages=messages,
             sampling=sampling,
             cache_salt=cache_salt,
+            kv_transfer=kv_transfer,
         )
         stream = AsyncRequestStream(self, request_id, sampling.n)
         self._streams[request_id] = stream

@@ -54,6 +54,7 @@ ERR_INVALID_CONTROL = "invalid_control"  # the engine refused a control value
 ERR_OVERLOADED = "overloaded"  # too many requests in flight
 ERR_SHUTTING_DOWN = "shutting_down"  # the engine is stopping and takes no new work
 ERR_INTERNAL = "internal_error"  # a bug in the engine; the loop keeps serving
+ERR_KV_TRANSFER_FAILED = "kv_transfer_failed"  # decode role, --kv-transfer-failure fail
 
 ERROR_CODES = (
     ERR_BAD_MESSAGE,
@@ -68,6 +69,7 @@ ERROR_CODES = (
     ERR_OVERLOADED,
     ERR_SHUTTING_DOWN,
     ERR_INTERNAL,
+    ERR_KV_TRANSFER_FAILED,
 )
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -115,6 +117,39 @@ class SamplingOptions(msgspec.Struct, **_STRICT):
 SAMPLING_FIELDS = tuple(SamplingOptions.__struct_fields__)
 
 
+class KVTransferParams(msgspec.Struct, **_STRICT):
+    """Prefill/decode disaggregation (docs/PROTOCOL.md section 10). To a prefill engine:
+    `do_remote_decode` (keep the prompt's KV blocks under a lease; the Finish names them). To a
+    decode engine: where to pull them from and the tokens the prefill engine already produced."""
+
+    do_remote_decode: bool = False
+    remote_endpoint: str | None = None  # the prefill engine's transfer endpoint
+    remote_lease_id: str | None = None
+    block_hashes: list[bytes] = msgspec.field(default_factory=list)  # the prompt's full blocks
+    output_token_ids: list[int] = msgspec.field(default_factory=list)  # already generated
+
+    def __post_init__(self) -> None:
+        pulls = self.remote_endpoint is not None
+        if pulls == (self.remote_lease_id is None):
+            raise ValueError("remote_endpoint and remote_lease_id go together")
+        if self.do_remote_decode and (pulls or self.output_token_ids):
+            raise ValueError(
+                "do_remote_decode (to a prefill engine) excludes remote_endpoint and "
+                "output_token_ids (to a decode engine)"
+            )
+        if any(len(h) != 32 for h in self.block_hashes):
+            raise ValueError("block_hashes must be 32-byte sha256 chain hashes")
+
+
+class KVHandoff(msgspec.Struct, kw_only=True):
+    """In a prefill engine's Finish: the prompt blocks held for pulling, and until when."""
+
+    lease_id: str
+    endpoint: str  # transfer endpoint (ipc/kv_transfer.py)
+    block_hashes: list[bytes]  # the prompt's full blocks, chain order
+    lease_seconds: float
+
+
 class ChatMessage(msgspec.Struct, **_STRICT):
     role: str
     content: str
@@ -144,6 +179,9 @@ class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "int8" (+ a float16 scale/token)
     kv_host_bytes: int = 0  # host-memory KV tier below the pool; 0 = none
     kv_disk_bytes: int = 0  # disk KV tier (survives restarts); 0 = none
+    role: str = ""  # "" (serves whole requests), "prefill" or "decode" (disaggregated)
+    kv_transfer_endpoint: str = ""  # prefill role: where decode engines pull KV blocks
+    cache_identity: str = ""  # all that decides K/V contents besides tokens (model, dtypes, ...)
 
 
 class LiveConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -180,12 +218,15 @@ class Generate(_ClientMsg, tag="generate", kw_only=True):
     messages: list[ChatMessage] | None = None  # chat (the model's chat template applies)
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     cache_salt: str | None = None
+    kv_transfer: KVTransferParams | None = None  # disaggregated serving (section 10)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of `prompt` and `messages` must be given")
         if self.messages is not None and not self.messages:
             raise ValueError("`messages` must not be empty")
+        if self.kv_transfer is not None and self.sampling.n != 1:
+            raise ValueError("kv_transfer needs sampling.n == 1")
 
 
 class Tokenize(_ClientMsg, tag="tokenize", kw_only=True):
@@ -311,6 +352,7 @@ class Finish(_EngineMsg, tag="finish", kw_only=True):
     e2e: float | None = None
     queue_time: float | None = None
     error: str | None = None  # why, when reason is abort or error
+    kv_handoff: KVHandoff | None = None  # prefill role, do_remote_decode: blocks to pull
 
 
 class Tokenized(_EngineMsg, tag="tokenized", kw_only=True):

@@ -10,7 +10,7 @@ put in at the same places, so tests compare the engine with what it should compu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,8 @@ def llama_forward(
     *,
     bf16_product_rows: Sequence[bool] | None = None,
     bf16_head_rows: Sequence[bool] | None = None,
+    kv_transform: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    | None = None,
 ) -> Float64Forward:
     """One causal pass over ``ids`` (positions 0..T-1) in float64.
 
@@ -57,6 +59,8 @@ def llama_forward(
     bfloat16-rounded outputs, the weights used as given (torch's int4 kernel on weights whose
     4-bit copy is lossless). bf16_head_rows[t]: token t's logits are the bfloat16-rounded
     product of its bfloat16-rounded hidden state and the bfloat16-rounded output projection.
+    kv_transform(layer, k, v) -> (k, v): what a quantised KV cache stores of each layer's K
+    (after rotary) and V, [T, num_kv_heads, head_dim], e.g. a quantise-dequantise round trip.
     Everything else is exact (to float64)."""
     c = config
     n = len(ids)
@@ -91,6 +95,8 @@ def llama_forward(
         q = rope(linear(x, f"{p}.self_attn.q_proj.weight").view(n, c.num_heads, c.head_dim))
         k = rope(linear(x, f"{p}.self_attn.k_proj.weight").view(n, c.num_kv_heads, c.head_dim))
         v = linear(x, f"{p}.self_attn.v_proj.weight").view(n, c.num_kv_heads, c.head_dim)
+        if kv_transform is not None:
+            k, v = kv_transform(i, k, v)
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(c.head_dim)
         probs = scores.masked_fill(~causal, -math.inf).softmax(-1)

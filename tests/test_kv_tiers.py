@@ -1,132 +1,32 @@
 """Lower KV tiers (engine_proc/kv_tiers.py): host and disk tiers below the pool, write-back on
-eviction, lookups pool -> host -> disk, entries that persist across engine restarts.
+eviction, lookups pool -> host -> disk, entries that persist across engine restarts, for the
+model-dtype and the int8 KV cache. The tiers' parts: tests/test_kv_tier_entry.py (what an entry
+holds) and tests/test_kv_tier_disk.py (the disk format).
 
 Outputs are checked against transformers' greedy generation and against an engine without
-prefix caching (which recomputes everything); the disk format against an independent parse of
-the documented header."""
+prefix caching (which recomputes everything) or without tiers."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
-import struct
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
-from engine_proc.kv_tiers import DISK_SUFFIX, DiskTier, HostTier, model_fingerprint
+from engine_proc.kv_tier_disk import DISK_SUFFIX, HEADER
+from engine_proc.kv_tiers import model_fingerprint
 from tests.engine_fixtures import greedy_reference, tiny_engine
 from tests.tiny_models import hf_reference_model, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
-
-
-# ----------------------------------------------------------------------------- unit: tiers
-def _identity() -> bytes:
-    return hashlib.sha256(b"test identity").digest()
-
-
-def _h(i: int) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest()
-
-
-def test_host_tier_is_lru_and_copies_whole_blocks():
-    host = HostTier(2, (2, 2, 3), torch.float32, pin=False)
-    blocks = [torch.full((2, 2, 3), float(i)) for i in range(3)]
-    host.store(_h(0), blocks[0])
-    host.store(_h(1), blocks[1])
-    out = torch.empty(2, 2, 3)
-    assert host.load(_h(0), out) and torch.equal(out, blocks[0])  # 0 is now most recent
-    host.store(_h(2), blocks[2])  # evicts 1, the least recently used
-    assert _h(1) not in host and _h(0) in host and _h(2) in host
-    assert not host.load(_h(1), out)
-    assert host.load(_h(2), out) and torch.equal(out, blocks[2])
-    host.check()
-
-
-def test_disk_entry_layout_is_the_documented_header(tmp_path):
-    payload = bytes(range(256)) * 4
-    disk = DiskTier(str(tmp_path), 10**6, _identity(), len(payload))
-    assert disk.store(_h(1), payload)
-    raw = (tmp_path / (_h(1).hex() + DISK_SUFFIX)).read_bytes()
-    # Independent parse: magic, format u32, identity, block hash, length u64, sha256, payload.
-    magic, fmt, ident, h, n, digest = struct.unpack("<12sI32s32sQ32s", raw[:120])
-    assert (magic, fmt, ident, h, n) == (b"KVSCOPE-KVB\0", 1, _identity(), _h(1), len(payload))
-    assert digest == hashlib.sha256(payload).digest() and raw[120:] == payload
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-    assert disk.load(_h(1)) == payload
-
-
-@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "renamed"])
-def test_damaged_or_foreign_disk_entries_are_misses(tmp_path, damage):
-    payload = os.urandom(512)
-    disk = DiskTier(str(tmp_path), 10**6, _identity(), len(payload))
-    disk.store(_h(1), payload)
-    path = disk.path(_h(1))
-    raw = bytearray(path.read_bytes())
-    if damage == "flip":
-        raw[200] ^= 0x40
-        path.write_bytes(bytes(raw))
-    elif damage == "truncate":
-        path.write_bytes(bytes(raw[:300]))
-    elif damage == "foreign":
-        foreign = DiskTier(str(tmp_path / "f"), 10**6, hashlib.sha256(b"other").digest(), 512)
-        foreign.store(_h(1), payload)
-        path.write_bytes(foreign.path(_h(1)).read_bytes())
-    else:  # a valid entry under another block's name
-        path.rename(disk.path(_h(2)))
-    for fresh in (False, True):  # found by the running tier at load, or by a restart's scan
-        tier = DiskTier(str(tmp_path), 10**6, _identity(), len(payload)) if fresh else disk
-        assert tier.load(_h(1)) is None and tier.load(_h(2)) is None
-        tier.check()
-    if damage in ("flip", "truncate"):
-        assert not path.exists()  # a broken entry of ours is removed
-    if damage == "foreign":
-        assert path.exists()  # another engine's entry is left alone
-
-
-def test_a_crash_mid_write_leaves_no_entry(tmp_path):
-    payload = os.urandom(256)
-    disk = DiskTier(str(tmp_path), 10**6, _identity(), len(payload))
-    disk.store(_h(1), payload)
-    good = disk.path(_h(1)).read_bytes()
-    # What a writer killed before its rename leaves: a temp file, possibly complete.
-    (tmp_path / f".tmp-{_h(2).hex()}-123-1").write_bytes(good[:100])
-    (tmp_path / f".tmp-{_h(3).hex()}-123-2").write_bytes(good)
-    again = DiskTier(str(tmp_path), 10**6, _identity(), len(payload))
-    assert list(again.index) == [_h(1)]
-    assert again.load(_h(2)) is None and again.load(_h(3)) is None
-
-
-def test_disk_capacity_is_lru_and_a_full_disk_stops_writes_not_reads(tmp_path, monkeypatch):
-    payload = os.urandom(100)
-    entry = 120 + 100
-    disk = DiskTier(str(tmp_path), 2 * entry, _identity(), 100)
-    for i in range(3):
-        assert disk.store(_h(i), payload)
-    assert list(disk.index) == [_h(1), _h(2)] and not disk.path(_h(0)).exists()
-    disk.check()
-
-    def full(fd, data):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "write", full)
-    assert not disk.store(_h(9), payload)
-    monkeypatch.undo()
-    assert not disk.writable and disk.stats.write_errors == 1
-    assert not disk.store(_h(10), payload)  # writes stay stopped
-    assert disk.load(_h(2)) == payload  # serving from what is there goes on
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-    disk.check()
 
 
 @pytest.mark.slow
@@ -249,18 +149,80 @@ def test_a_restarted_engine_hits_from_disk(tiny_path, hf_greedy, policy):
                 assert out.token_ids == before[0]
 
 
+@pytest.mark.slow
+def test_int8_with_tiers_gives_the_tokens_of_int8_without(tiny_path):
+    # The workload above on an int8 pool: each prefix is evicted and loaded back, values and
+    # scales, from the host tier or the disk, many times over.
+    prompts = _prompts(num_systems=8, rounds=3, system_len=48, seed=3)
+    common = dict(model=str(tiny_path), block_size=4, num_kv_blocks=28, kv_cache_dtype="int8")
+    plain = LLMEngine(EngineConfig(**common))
+    expected = _run_one_by_one(plain, prompts)
+    recomputed = LLMEngine(EngineConfig(**common, enable_prefix_caching=False))
+    assert _run_one_by_one(recomputed, prompts[:3]) == expected[:3]
+    with tempfile.TemporaryDirectory() as d:
+        host_bytes = 36 * plain.block_bytes
+        on = LLMEngine(EngineConfig(**common, kv_host_memory=host_bytes, kv_disk_dir=d))
+        assert on.kv.tiers.block_bytes == plain.block_bytes == 4 * 2 * 2 * 2 * (16 + 2)
+        assert _run_one_by_one(on, prompts) == expected
+        c = on.snapshot().counters
+        assert c["kv_host_hits"] > 0 and c["kv_disk_hits"] > 0
+        loads = on.kv.tiers.loads
+        assert sum(loads.values()) > 2 * len(loads) > 0  # blocks reloaded again and again
+        assert c["kv_host_bytes_total"] == 36 * plain.block_bytes
+        assert c["prefix_cache_hits"] > plain.stats.prefix_cache_hits
+        on.kv.tiers.check()
+
+
+@pytest.mark.slow
+def test_a_restarted_int8_engine_hits_from_disk_and_fp_entries_never_mix(tiny_path):
+    prompts = _prompts(num_systems=4, rounds=1, system_len=40, seed=5)
+    common = dict(model=str(tiny_path), block_size=4, num_kv_blocks=24)
+    int8 = dict(common, kv_cache_dtype="int8")
+    expected = _run_one_by_one(LLMEngine(EngineConfig(**int8)), prompts[:1])[0]
+    with tempfile.TemporaryDirectory() as d8, tempfile.TemporaryDirectory() as dfp:
+        first = LLMEngine(EngineConfig(**int8, kv_disk_dir=d8))
+        assert _run_one_by_one(first, prompts)[0] == expected
+        del first
+        second = LLMEngine(EngineConfig(**int8, kv_disk_dir=d8))
+        (out,) = second.generate([prompts[0]], GREEDY)
+        assert out.num_cached_tokens == 40 and out.token_ids == expected
+        assert second.snapshot().counters["kv_disk_hits"] == 10
+        # An fp engine's entries are another chain's: an int8 engine finds nothing there and
+        # leaves the files alone, and the other way round.
+        fp = LLMEngine(EngineConfig(**common, kv_disk_dir=dfp))
+        _run_one_by_one(fp, prompts)
+        assert fp.flush_kv_tiers() > 0
+        for directory, config in ((dfp, int8), (d8, common)):
+            before = {p.name: p.read_bytes() for p in Path(directory).iterdir()}
+            assert before
+            other = LLMEngine(EngineConfig(**config, kv_disk_dir=directory))
+            assert not other.kv.tiers.disk.index
+            (out,) = other.generate([prompts[0]], GREEDY)
+            assert out.num_cached_tokens == 0
+            assert other.snapshot().counters["kv_disk_hits"] == 0
+            assert out.token_ids == (expected if config is int8 else fp.generate(
+                [prompts[0]], GREEDY)[0].token_ids)
+            del other
+            after = {p.name: p.read_bytes() for p in Path(directory).iterdir()
+                     if p.name in before}  # fmt: skip
+            assert after == before
+
+
 # ----------------------------------------------------------------------------- property test
-_REF: dict[tuple[int, ...], list[int]] = {}
-_REF_ENGINE: list[LLMEngine] = []
+_REF: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+_REF_ENGINE: dict[str, LLMEngine] = {}
 _BASES = [[random.Random(b).randrange(3, 128) for _ in range(24)] for b in range(4)]
 
 
-def _reference(prompt: list[int]) -> list[int]:
-    key = tuple(prompt)
+def _reference(prompt: list[int], kv_dtype: str) -> list[int]:
+    """What an engine of this KV dtype without prefix caching (all recomputed) generates."""
+    key = (kv_dtype, tuple(prompt))
     if key not in _REF:
-        if not _REF_ENGINE:
-            _REF_ENGINE.append(tiny_engine(block_size=4, enable_prefix_caching=False))
-        _REF[key] = _REF_ENGINE[0].generate([prompt], GREEDY)[0].token_ids
+        if kv_dtype not in _REF_ENGINE:
+            _REF_ENGINE[kv_dtype] = tiny_engine(
+                block_size=4, enable_prefix_caching=False, kv_cache_dtype=kv_dtype
+            )
+        _REF[key] = _REF_ENGINE[kv_dtype].generate([prompt], GREEDY)[0].token_ids
     return _REF[key]
 
 
@@ -311,23 +273,49 @@ def _workload(seed: int) -> list[tuple]:
     return ops
 
 
-@pytest.mark.slow
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
+_TIER_SET_UPS = dict(
     seed=st.integers(0, 2**32 - 1),
     host_blocks=st.sampled_from((0, 3, 8)),
     disk_blocks=st.sampled_from((None, 0, 6, 40)),
     write_through=st.booleans(),
     num_blocks=st.integers(10, 14),
 )
+_SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.slow
+@settings(max_examples=12, **_SETTINGS)
+@given(**_TIER_SET_UPS)
 def test_random_workloads_keep_counts_and_files_consistent(
     seed, host_blocks, disk_blocks, write_through, num_blocks
 ):
+    _random_workload("auto", seed, host_blocks, disk_blocks, write_through, num_blocks)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, **_SETTINGS)  # int8 attention steps cost about twice as much
+@given(**_TIER_SET_UPS)
+def test_random_int8_workloads_keep_counts_and_files_consistent(
+    seed, host_blocks, disk_blocks, write_through, num_blocks
+):
+    _random_workload("int8", seed, host_blocks, disk_blocks, write_through, num_blocks)
+
+
+def _random_workload(
+    kv_dtype: str,
+    seed: int,
+    host_blocks: int,
+    disk_blocks: int | None,
+    write_through: bool,
+    num_blocks: int,
+) -> None:
+    """Reference outputs, reference counts, no leak, no double load and a disk index equal to
+    the files after every step of a random workload (_workload)."""
     ops = _workload(seed)
     with tempfile.TemporaryDirectory() as d:
-        probe = tiny_engine(block_size=4, num_kv_blocks=1)
+        probe = tiny_engine(block_size=4, num_kv_blocks=1, kv_cache_dtype=kv_dtype)
         block_bytes = probe.block_bytes
-        entry_bytes = block_bytes + 120
+        entry_bytes = HEADER.size + 4 * 4 + block_bytes  # a disk entry: header, tokens, K/V
 
         def make(blocks: int) -> LLMEngine:
             engine = tiny_engine(
@@ -337,6 +325,7 @@ def test_random_workloads_keep_counts_and_files_consistent(
                 kv_disk_dir=None if disk_blocks is None else d,
                 kv_disk_bytes=(disk_blocks or 0) * entry_bytes,
                 kv_tier_policy="write_through" if write_through else "write_back",
+                kv_cache_dtype=kv_dtype,
             )
             if engine.kv.tiers is not None:
                 _watch_loads(engine)
@@ -357,7 +346,7 @@ def test_random_workloads_keep_counts_and_files_consistent(
                             done[out.request_id] = out.token_ids
                     _check_pool(engine)
                 assert [done[f"q{i}"] for i in range(len(prompts))] == [
-                    _reference(p) for p in prompts
+                    _reference(p, kv_dtype) for p in prompts
                 ]
                 assert engine.kv.pool.num_free == engine.num_blocks  # nothing leaked
             elif op[0] == "restart":

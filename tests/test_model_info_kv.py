@@ -30,3 +30,13 @@ def test_model_info_without_tiers_and_with_int8():
         mc.num_layers, mc.num_kv_heads, mc.head_dim)
     # the status bar's formula: 2·L·H_kv·(D·1 + 2)
     assert info["kv_bytes_per_token"] == 2 * mc.num_layers * mc.num_kv_heads * (mc.head_dim + 2)
+
+
+def test_model_info_with_fp8():
+    engine = tiny_engine(kv_cache_dtype="fp8")
+    info = engine.model_info()
+    mc = engine.model_config
+    assert info["kv_cache_dtype"] == "fp8"
+    # the status bar's formula: 2·L·H_kv·D·1 (the per-layer scales are not per token)
+    assert info["kv_bytes_per_token"] == 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+    assert P.ModelInfo(**info).kv_cache_dtype == "fp8"

@@ -17,6 +17,7 @@ map. Each other concept has its own module, a collaborator holding a reference t
   same engine (ui/api_server.py).
 - ui/window_telemetry.py (`window.feed`): replies and telemetry frames into the panels, redraws.
 - ui/status_bar.py (`window.status`): what the status bar says.
+- ui/kv_tier_panel.py (`window.tier_panel`): the KV tiers strip under the block map.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from ui.connect_dialog import ConnectDialog
 from ui.controls import ControlsPanel, LoadPanel, config_dict
 from ui.engine_link import EngineLink
 from ui.kv_aggregate import KvAggregateWidget
+from ui.kv_tier_panel import TierPanel
 from ui.metrics_history import MetricsHistory
 from ui.prefix_tree import PrefixTreePanel
 from ui.remote_charts import MetricsChartsWidget
@@ -112,6 +114,7 @@ class MainWindow(QMainWindow):
         self.prefix_tree = PrefixTreePanel()
         self.charts = ChartsWidget()
         self.kv_aggregate = KvAggregateWidget()
+        self.tier_panel = TierPanel()  # pool, host, disk: hidden without lower tiers
         self.metric_charts = MetricsChartsWidget()
         self.controls = ControlsPanel()
         self.load_panel = LoadPanel()
@@ -133,6 +136,7 @@ class MainWindow(QMainWindow):
         self.api.state_changed.connect(self.api_toggle.on_state)
         self.api.failed.connect(self.api_toggle.on_failed)
         self.api.restarted.connect(lambda ep: log.info("API server restarted against %s", ep))
+        self.feed.timer.timeout.connect(lambda: self.tier_panel.show_frame(self.history.latest))
         self.feed.timer.start()
         self._restore_geometry()
 
@@ -183,11 +187,17 @@ class MainWindow(QMainWindow):
         self.kv_stack = QStackedWidget()
         self.kv_stack.addWidget(self.kv_tabs)
         self.kv_stack.addWidget(self.kv_aggregate)
+        kv_area = QWidget()  # the KV views, and under them the tiers strip
+        kl = QVBoxLayout(kv_area)
+        kl.setContentsMargins(0, 0, 0, 0)
+        kl.setSpacing(2)
+        kl.addWidget(self.kv_stack, 1)
+        kl.addWidget(self.tier_panel)
         self.chart_stack = QStackedWidget()
         self.chart_stack.addWidget(self.charts)
         self.chart_stack.addWidget(self.metric_charts)
         right = QSplitter(Qt.Orientation.Vertical)
-        right.addWidget(self.kv_stack)
+        right.addWidget(kv_area)
         right.addWidget(self.chart_stack)
         right.addWidget(bottom)
         right.setStretchFactor(0, 3)
@@ -277,11 +287,11 @@ class MainWindow(QMainWindow):
         self.lifecycle.set_decode_weights(value)
 
     def set_kv_cache_dtype(self, value: str) -> None:
-        """*Engine → KV cache → Element type*: "auto" or "int8" (int8 turns the tiers off)."""
+        """*Engine → KV cache → Element type*: "auto" or a quantised type ("int8", "fp8")."""
         self.lifecycle.set_kv_cache_dtype(value)
 
     def set_kv_host_memory(self, nbytes: int) -> None:
-        """*Engine → KV cache → Host memory tier*: bytes, 0 = off (int8 goes back to auto)."""
+        """*Engine → KV cache → Host memory tier*: bytes, 0 = off."""
         self.lifecycle.set_kv_host_memory(nbytes)
 
     def set_kv_disk_bytes(self, nbytes: int) -> None:
@@ -308,6 +318,7 @@ class MainWindow(QMainWindow):
     def redraw_now(self) -> None:
         """Both panels at once (screenshots)."""
         self.feed.redraw_now()
+        self.remote.disagg.redraw_now()  # a disaggregated deployment's panels, when shown
 
     # --- requests and controls --------------------------------------------------------------
     def _on_submit(self, rid: str, messages: list, sampling: dict) -> None:

@@ -4,28 +4,46 @@
 An icicle: each cached block is a band `block_size` tokens wide at its token position, as tall as
 the number of branches below it; a linear run is one long band. Colour by state (in use by a
 request, cached and evictable, on the path of the selected request) from the telemetry frame;
-hovering a band shows its tokens, pool block, owners, the hits this window saw and last use.
-Items are created once; the redraw timer refills one small image, and does nothing when nothing
-changed.
+a block evicted from the pool that a lower KV tier still holds is drawn in that tier's colour,
+muted (host memory, or disk only), the tiers strip's hues. Hovering a band shows its tokens,
+where it lives, pool block, owners, the hits this window saw and last use. Items are created
+once; the redraw timer refills one small image, and does nothing when nothing changed.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QRectF
-from PySide6.QtWidgets import QLabel, QToolTip, QVBoxLayout, QWidget
+from PySide6.QtCore import QRectF, Qt
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
 
 from ui import theme
-from ui.prefix_tree_layout import TreeLayout
+from ui.kv_tier_panel import TIER_COLOURS
+from ui.prefix_tree_layout import DISK_ONLY, HOST_ONLY, TreeLayout
 from ui.telemetry import BLOCK_IN_USE, Frame
 
-CACHED_BAR, IN_USE_BAR, SELECTED_BAR, EMPTY_BAR = 0, 1, 2, 3
-BAR_COLOURS = np.array(
-    [pg.mkColor(c).getRgb() for c in (theme.CACHED, theme.SERIES["in_use"], theme.SHARED)]
-    + [(0, 0, 0, 0)],
-    np.uint8,
-)
+CACHED_BAR, IN_USE_BAR, SELECTED_BAR, HOST_BAR, DISK_BAR, EMPTY_BAR = range(6)
+
+
+def _muted(colour: str, share: float = 0.45) -> str:
+    """`colour` blended into the plot background: quieter than the pool's live states."""
+    fg, bg = pg.mkColor(colour), pg.mkColor(theme.BG)
+    pairs = zip(fg.getRgb()[:3], bg.getRgb()[:3], strict=True)
+    mix = [round(share * a + (1 - share) * b) for a, b in pairs]
+    return "#{:02x}{:02x}{:02x}".format(*mix)
+
+
+# legend text and colour per bar kind, in BAR_COLOURS order (EMPTY_BAR: transparent, unlisted)
+BARS = [
+    ("cached in the pool", theme.CACHED),
+    ("in use by a request", theme.SERIES["in_use"]),
+    ("the selected request", theme.SHARED),
+    ("evicted, in host memory", _muted(TIER_COLOURS["host"])),
+    ("evicted, on disk only", _muted(TIER_COLOURS["disk"])),
+]
+BAR_COLOURS = np.array([pg.mkColor(c).getRgb() for _, c in BARS] + [(0, 0, 0, 0)], np.uint8)
+MEDIUM_NAMES = {"pool": "the pool", "host": "host memory", "disk": "disk"}
+_MEDIUM_ORDER = {m: i for i, m in enumerate(MEDIUM_NAMES)}
 
 
 class PrefixTreePanel(QWidget):
@@ -40,10 +58,17 @@ class PrefixTreePanel(QWidget):
         self.plot.setLabel("bottom", "token position")
         self.note = QLabel("waiting for KV cache events from the engine")
         self.note.setStyleSheet(f"color: {theme.MUTED}; padding: 2px 6px;")
+        self.legend = QLabel()
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.setStyleSheet(f"color: {theme.MUTED}; padding: 2px 6px;")
+        self._set_legend(tiers=False)
+        top = QHBoxLayout()
+        top.addWidget(self.note, 1)
+        top.addWidget(self.legend)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(0)
-        lay.addWidget(self.note)
+        lay.addLayout(top)
         lay.addWidget(self.plot)
         # One image (two sub-rows per row, a column per block depth) refilled per redraw from
         # the layout's owner map: a numpy lookup instead of stroking 20,000 bars.
@@ -64,10 +89,19 @@ class PrefixTreePanel(QWidget):
     def set_layout(self, layout: TreeLayout, in_sync: bool = True) -> None:
         self.layout_ = layout
         self._dirty = True
+        host, disk = layout.count(HOST_ONLY), layout.count(DISK_ONLY)
+        tiers = f" ({host:,} in host memory only, {disk:,} on disk only)" if host + disk else ""
         self.note.setText(
-            f"{layout.num_blocks:,} cached blocks · {layout.num_rows:,} branches · "
-            f"{layout.num_roots:,} roots"
-            + ("" if in_sync else " · events lost, replay requested")
+            f"{layout.num_blocks:,} cached blocks{tiers} · {layout.num_rows:,} branches · "
+            f"{layout.num_roots:,} roots" + ("" if in_sync else " · events lost, replay requested")
+        )
+        self._set_legend(tiers=bool(host + disk))
+
+    def _set_legend(self, tiers: bool) -> None:
+        """The colours' meanings; the tiers' only once the tree has blocks only they hold."""
+        shown = BARS if tiers else BARS[:HOST_BAR]
+        self.legend.setText(
+            " ".join(f'<span style="color:{c}">■</span> {text}' for text, c in shown)
         )
 
     def set_frame(self, frame: Frame) -> None:
@@ -102,6 +136,8 @@ class PrefixTreePanel(QWidget):
         lay = self.layout_
         kind = np.full(lay.num_blocks, CACHED_BAR, np.uint8)
         kind[self._states(lay) == BLOCK_IN_USE] = IN_USE_BAR
+        kind[lay.tier == HOST_ONLY] = HOST_BAR
+        kind[lay.tier == DISK_ONLY] = DISK_BAR
         kind[self._selected(lay)] = SELECTED_BAR
         self.kind = kind
         # owner -1 (no block) -> EMPTY_BAR, a transparent colour
@@ -151,6 +187,8 @@ class PrefixTreePanel(QWidget):
         block_id = int(lay.block_id[i])
         start = int(lay.x0[i])
         lines = [f"tokens {start}–{start + lay.block_size - 1} · hash {lay.hashes[i][:4].hex()}"]
+        if i < len(lay.media) and lay.media[i] != {"pool"}:  # a lower tier holds it too
+            lines.append(where_text(lay.media[i]))
         if 0 <= block_id < self.hits.shape[0]:
             lines.append(f"pool block {block_id} · hits seen {int(self.hits[block_id])}")
             if self.frame is not None and self.last_access[block_id] > 0:
@@ -162,3 +200,10 @@ class PrefixTreePanel(QWidget):
                 lines.append("owners: " + ", ".join(o[:12] for o in owners[:6]))
         lines.append(f"token ids: {lay.tokens[i][:16]}")
         return "\n".join(lines)
+
+
+def where_text(media: frozenset[str]) -> str:
+    """Where a block lives, for the hover; a block only lower tiers hold says it was evicted."""
+    ordered = sorted(media, key=lambda m: _MEDIUM_ORDER.get(m, len(_MEDIUM_ORDER)))
+    names = ", ".join(MEDIUM_NAMES.get(m, m) for m in ordered)
+    return ("" if "pool" in media else "evicted from the pool · ") + f"lives in: {names}"

@@ -6,6 +6,8 @@ wide and a linear run of blocks (a prompt nobody shares) is one straight band, h
 leaf of the tree gets a row (top to bottom in depth-first order) and every block spans the rows
 of all the leaves below it, so a shared system prompt is one tall trunk band with a branch band
 per conversation beside it, each as tall as the number of conversations that share it.
+Blocks evicted from the pool but still held by a lower KV tier stay in the tree, marked by the
+highest tier holding them (`tier`: where a request would load them from).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.kv_events import PrefixTree
+from ipc.kv_events import HOST, POOL, PrefixTree
+
+IN_POOL, HOST_ONLY, DISK_ONLY = 0, 1, 2  # TreeLayout.tier: the highest medium holding a block
 
 
 @dataclass(slots=True)
@@ -34,6 +38,11 @@ class TreeLayout:
     owner: np.ndarray = field(default_factory=lambda: np.full((0, 0), -1, np.int32))
     num_rows: int = 0
     num_roots: int = 0
+    tier: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # IN_POOL, ...
+    media: list[frozenset[str]] = field(default_factory=list)  # every medium holding it
+
+    def count(self, tier: int) -> int:
+        return int(np.count_nonzero(self.tier == tier))
 
     @property
     def num_blocks(self) -> int:
@@ -100,7 +109,13 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
         owner=owner,
         num_rows=next_row,
         num_roots=len(roots),
+        tier=np.asarray([_tier_of(nodes[h].media) for h in hashes], dtype=np.uint8),
+        media=[frozenset(nodes[h].media) for h in hashes],
     )
+
+
+def _tier_of(media: set[str]) -> int:
+    return IN_POOL if POOL in media else HOST_ONLY if HOST in media else DISK_ONLY
 
 
 def _first_token_key(node) -> tuple[int, ...]:

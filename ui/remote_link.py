@@ -14,6 +14,8 @@ watcher keeps retrying, and a server that comes back (restarted) is discovered a
 Replies reach the chat panel as ipc.protocol Delta / Finish / Error, as from the engine; what
 a stream cannot tell stays unknown: Delta.token_ids is empty, Finish.usage is None when the
 server sent no usage, Usage.cached_tokens is None when it does not report cached tokens.
+The chats and the load generator are in ui/remote_chats.py, the watcher of a disaggregated
+deployment (two engines' telemetry, `role_frames`) in ui/remote_disagg.py.
 """
 
 from __future__ import annotations
@@ -30,31 +32,37 @@ import httpx
 from PySide6.QtCore import QObject, Signal
 
 from app.load_generator import LoadConfig, LoadGenerator
-from app.remote.kvscope_http import RemoteError, afetch_welcome, astream_telemetry
+from app.remote.kvscope_http import ROLES, RemoteError, afetch_welcome, astream_telemetry
 from app.remote.metrics import KINDS, MetricsError
-from app.remote.openai_client import ChatDelta, ReplyStats, astream_chat, describe
+from app.remote.openai_client import describe
 from app.remote.probe import (
     ServerInfo,
     discover,
+    discover_deployment,
     fetch_metrics_text,
     normalize_url,
     parse_scrape,
 )
 from app.remote.samples import ScrapeWindow
 from ipc import protocol as P
-from ipc.client import ERR_ENGINE_GONE
+from ui.remote_chats import ERR_SERVER, ChatStreams
+from ui.remote_disagg import DisaggFollower
 from ui.telemetry import Frame
+
+__all__ = ["ERR_SERVER", "RemoteLink"]
 
 log = logging.getLogger(__name__)
 
-ERR_SERVER = "server_error"  # the server answered a chat with a 5xx status
 
-
-class RemoteLink(QObject):
+class RemoteLink(QObject, ChatStreams, DisaggFollower):
     connected = Signal(object)  # app.remote.probe.ServerInfo; again when it changes
     connect_failed = Signal(str)
     replies = Signal(list)  # Delta / Finish / Error of the window's chats
-    frames = Signal(list)  # list[Frame] (KVScope servers only)
+    frames = Signal(list)  # list[Frame] (KVScope servers with one engine)
+    # a disaggregated KVScope deployment: {role: list[Frame]} for its prefill and decode engines,
+    # and (role, why it is down; "" once its telemetry flows again)
+    role_frames = Signal(dict)
+    engine_status = Signal(str, str)
     metrics = Signal(object)  # app.remote.samples.MetricSample (servers without telemetry)
     metrics_problem = Signal(str)  # why /metrics could not be read; "" once it reads again
     alias = Signal(str, str)  # a chat's request id, the id the server gave its response
@@ -95,6 +103,9 @@ class RemoteLink(QObject):
         self._gen = LoadGenerator()
         self._replies: list[Any] = []
         self._frames: list[Frame] = []
+        self._role_frames: dict[str, list[Frame]] = {role: [] for role in ROLES}
+        self._role_why: dict[str, str] = dict.fromkeys(ROLES, "")
+        self._role_last: dict[str, float] = dict.fromkeys(ROLES, 0.0)
         self._stalled = False
         self._problem = ""
         self._last_frame = 0.0
@@ -196,8 +207,7 @@ class RemoteLink(QObject):
                     self.connect_failed.emit(f"unexpected error: {exc!r}")
                     return
                 self._take_info(info, fresh=True)
-                watcher = asyncio.create_task(
-                    self._watch_telemetry() if info.per_block else self._watch_metrics())
+                watcher = asyncio.create_task(self._watch())
                 watcher.add_done_callback(self._watcher_done)
                 await asyncio.Event().wait()  # until cancelled by stop()
             finally:
@@ -206,6 +216,19 @@ class RemoteLink(QObject):
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watch(self) -> None:
+        """The watcher for what the server is; a server that comes back as another kind hands
+        over to that kind's watcher."""
+        while True:
+            info = self.info
+            assert info is not None
+            if info.disaggregated:
+                await self._watch_disagg()
+            elif info.per_block:
+                await self._watch_telemetry()
+            else:
+                await self._watch_metrics()
 
     def _watcher_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -242,6 +265,10 @@ class RemoteLink(QObject):
         if self._frames:
             batch, self._frames = self._frames, []
             self.frames.emit(batch)
+        if any(self._role_frames.values()):
+            by_role = {role: frames for role, frames in self._role_frames.items() if frames}
+            self._role_frames = {role: [] for role in ROLES}
+            self.role_frames.emit(by_role)
         gen = self._gen
         now = time.monotonic()
         if (gen.running or gen.in_flight) and now - self._last_stats > 0.25:
@@ -280,7 +307,6 @@ class RemoteLink(QObject):
             t0 = time.monotonic()
             await self._scrape_once()
             if self.info is not None and self.info.per_block:  # came back as a KVScope
-                await self._watch_telemetry()
                 return
             await asyncio.sleep(max(0.0, self.scrape_interval - (time.monotonic() - t0)))
 
@@ -336,6 +362,10 @@ class RemoteLink(QObject):
                     log.debug("welcome not yet: %s", exc)
                     continue
                 if self.info is not None and welcome != self.info.welcome:
+                    deployment = await discover_deployment(self._watch_http, self.url,
+                                                           self.api_key, self.connect_timeout)
+                    if deployment is not None and deployment.disaggregated and await self._back():
+                        return  # restarted as a prefill/decode pair: _watch takes it from here
                     self.welcome = welcome  # a restarted engine
                     self.info = dataclasses.replace(self.info, welcome=welcome)
                     self.connected.emit(self.info)
@@ -370,124 +400,3 @@ class RemoteLink(QObject):
             silent = time.monotonic() - self._last_frame
             if silent > self.stall_timeout:
                 self._lost(f"no telemetry from the server for {silent:.0f} s")
-
-    # --- chats -----------------------------------------------------------------------------
-    def _body(self, messages: list[dict], sampling: dict) -> dict:
-        info = self.info
-        body: dict[str, Any] = {"messages": messages}
-        if info is not None and info.model:
-            body["model"] = info.model
-        for name in ("temperature", "top_p", "max_tokens", "seed"):
-            if sampling.get(name) is not None:
-                body[name] = sampling[name]
-        known = info is not None and info.kind in KINDS  # servers with vLLM's extensions
-        if known and sampling.get("top_k"):
-            body["top_k"] = int(sampling["top_k"])
-        if known and sampling.get("ignore_eos"):
-            body["ignore_eos"] = True
-        return body
-
-    def _start_chat(self, rid: str, messages: list[dict], sampling: dict) -> None:
-        if self.info is None:
-            self._replies.append(P.Error(code=ERR_ENGINE_GONE, request_id=rid,
-                                         message=f"not connected to {self.url}"))
-            return
-        self._chats[rid] = asyncio.get_running_loop().create_task(
-            self._chat(rid, self._body(messages, sampling)))
-
-    def _abort_chat(self, rid: str) -> None:
-        task = self._chats.get(rid)
-        if task is not None and not task.done():
-            self._aborting.add(rid)
-            task.cancel()
-
-    async def _chat(self, rid: str, body: dict) -> None:
-        assert self._chat_http is not None
-        stats = ReplyStats(start=time.monotonic())
-        named = False
-        try:
-            async for ev in astream_chat(self._chat_http, self.url, self.api_key, body, stats):
-                if not named and stats.response_id:
-                    named = True
-                    self.alias.emit(rid, stats.response_id)
-                if isinstance(ev, ChatDelta) and ev.index == 0:
-                    self._replies.append(P.Delta(request_id=rid, index=0, token_ids=[],
-                                                 text=ev.text, token_times=[ev.time],
-                                                 time=ev.time))
-            self._replies.append(_finish(rid, stats, stats.finish_reason or "stop"))
-        except asyncio.CancelledError:
-            if rid not in self._aborting:
-                raise  # the link is closing
-            stats.end = stats.end or time.monotonic()
-            self._replies.append(_finish(rid, stats, "abort"))
-        except RemoteError as exc:
-            self._replies.append(P.Error(code=_error_code(exc), message=str(exc),
-                                         request_id=rid))
-        finally:
-            self._chats.pop(rid, None)
-            self._aborting.discard(rid)
-
-    # --- load generator ------------------------------------------------------------------------
-    def _load_start(self, config: LoadConfig) -> None:
-        self._gen.start(config)
-        self._load_fill()
-
-    def _load_stop(self) -> None:
-        for rid in self._gen.stop():
-            task = self._loads.get(rid)
-            if task is not None:
-                task.cancel()
-        self.load_stats.emit(self._gen.stats.as_dict() | {"running": False})
-
-    def _load_fill(self) -> None:
-        if self.info is None:
-            return
-        loop = asyncio.get_running_loop()
-        for req in self._gen.next_requests():
-            body = self._body(req.messages, req.sampling)
-            self._loads[req.request_id] = loop.create_task(self._load_one(req.request_id, body))
-
-    async def _load_one(self, rid: str, body: dict) -> None:
-        assert self._chat_http is not None
-        stats = ReplyStats(start=time.monotonic())
-        error = False
-        try:
-            async for ev in astream_chat(self._chat_http, self.url, self.api_key, body, stats):
-                if isinstance(ev, ChatDelta):
-                    self._gen.on_delta(rid, 1)  # about a token per chunk: usage corrects it
-        except asyncio.CancelledError:
-            if self._gen.running:
-                raise  # the link is closing
-            # stopped: counted as finished, like an aborted engine request
-        except RemoteError as exc:
-            error = True
-            log.info("load request %s failed: %s", rid, exc)
-        finally:
-            self._loads.pop(rid, None)
-            u = stats.usage
-            if u is not None and u.completion_tokens > stats.num_chunks:
-                self._gen.on_delta(rid, u.completion_tokens - stats.num_chunks)
-            self._gen.on_finish(rid, u.prompt_tokens if u else 0,
-                                (u.cached_tokens or 0) if u else 0, error=error)
-        if self._gen.running:
-            if error:  # do not hammer a server that refuses: try again in a second
-                asyncio.get_running_loop().call_later(1.0, self._load_fill)
-            else:
-                self._load_fill()
-
-
-def _finish(rid: str, stats: ReplyStats, reason: str) -> P.Finish:
-    u = stats.usage
-    usage = None if u is None else P.Usage(prompt_tokens=u.prompt_tokens,
-                                           cached_tokens=u.cached_tokens,  # None: not reported
-                                           completion_tokens=u.completion_tokens)
-    tps = stats.tokens_per_second
-    end = stats.end or time.monotonic()
-    return P.Finish(request_id=rid, index=0, reason=reason, usage=usage,  # type: ignore[arg-type]
-                    ttft=stats.ttft, tpot=1.0 / tps if tps else None, e2e=end - stats.start)
-
-
-def _error_code(exc: RemoteError) -> str:
-    if exc.status is None:
-        return ERR_ENGINE_GONE  # cut, unreachable, malformed: the reply was interrupted
-    return ERR_SERVER if exc.status >= 500 else P.ERR_INVALID_REQUEST

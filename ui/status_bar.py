@@ -21,6 +21,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "fp8": 1
 # An int8 KV cache keeps a float16 scale per token, layer, K/V and KV head beside the int8 values
 # (engine_proc/attention/kv_quant.py kv_int8_bytes_per_token).
 INT8_SCALE_BYTES = 2
+KV_DTYPE_TIPS = {
+    "int8": "int8 K/V: 1 byte per value plus a float16 scale per token, layer, K/V and KV head",
+    "fp8": "fp8 (e4m3) K/V: 1 byte per value; one float32 scale per layer for K and for V",
+}
 
 
 def human_bytes(n: float) -> str:
@@ -39,7 +43,8 @@ def short_bytes(n: int) -> str:
 
 def kv_formula(model: object) -> str:
     """'KV/token 2·L·H_kv·D·bytes = 2·30·3·64·4 = 46,080 B'; with an int8 KV cache
-    'KV/token int8 2·L·H_kv·(D·1 + 2 scale) = 2·30·3·(64·1 + 2) = 11,880 B'."""
+    'KV/token int8 2·L·H_kv·(D·1 + 2 scale) = 2·30·3·(64·1 + 2) = 11,880 B', with fp8
+    'KV/token fp8 2·L·H_kv·D·1 = 2·30·3·64·1 = 11,520 B'."""
     L, H, D = model.num_layers, model.num_kv_heads, model.head_dim  # noqa: N806
     if getattr(model, "kv_cache_dtype", "auto") == "int8":
         s = INT8_SCALE_BYTES
@@ -47,6 +52,8 @@ def kv_formula(model: object) -> str:
             return f"KV/token int8 {model.kv_bytes_per_token:,} B"
         return (f"KV/token int8 2·L·H_kv·(D·1 + {s} scale) = 2·{L}·{H}·({D}·1 + {s}) = "
                 f"{model.kv_bytes_per_token:,} B")
+    if getattr(model, "kv_cache_dtype", "auto") == "fp8":  # per-layer scales: not per token
+        return f"KV/token fp8 2·L·H_kv·D·1 = 2·{L}·{H}·{D}·1 = {model.kv_bytes_per_token:,} B"
     b = DTYPE_BYTES.get(str(model.dtype).replace("torch.", ""))
     if b is None:
         return f"KV/token {model.kv_bytes_per_token:,} B"
@@ -169,9 +176,7 @@ class StatusBarView:
             f"{m.num_blocks:,} blocks × {m.block_size} tokens · {kv_formula(m)} · "
             f"KV pool {human_bytes(total)}" + (f" · KV tiers {tiers}" if tiers else "")
             + f" · max len {m.max_model_len:,}")
-        self.kv_label.setToolTip(
-            "int8 K/V: 1 byte per value plus a float16 scale per token, layer, K/V and KV head"
-            if getattr(m, "kv_cache_dtype", "auto") == "int8" else "")
+        self.kv_label.setToolTip(KV_DTYPE_TIPS.get(getattr(m, "kv_cache_dtype", "auto"), ""))
 
     def show_tiers(self, counters: dict[str, float]) -> None:
         """The lower KV tiers' line from the latest telemetry counters (hidden without tiers).

@@ -1,12 +1,14 @@
 """The main window watching a server over HTTP (`--connect http://HOST:PORT`, *Engine → Connect
 to server…*): the connect dialog and the way back to the local engine, the `RemoteLink`'s
 signals, the swap of the block map and charts for the aggregate KV panel and the /metrics charts
-when the server has no per-block telemetry, greyed-out engine controls, and the ids a KVScope
-front-end gives the window's chats in its engine."""
+when the server has no per-block telemetry (or for the two pools and per-engine charts of a
+disaggregated KVScope deployment: ui/window_disagg.py), greyed-out engine controls, and the ids
+a KVScope front-end gives the window's chats in its engine."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject
@@ -17,6 +19,8 @@ from ui.api_server import OFF
 from ui.connect_dialog import ConnectDialog, recent_urls, remember_url
 from ui.controls import config_dict
 from ui.remote_link import RemoteLink
+from ui.telemetry import History
+from ui.window_disagg import DisaggView
 
 if TYPE_CHECKING:
     from ui.main_window import MainWindow
@@ -36,6 +40,7 @@ class RemoteWatch(QObject):
         self.local_connect = None if window.source.is_remote else window.source.connect
         self.metrics_problem = ""
         self.aliases: dict[str, str] = {}  # chat request id -> its HTTP response id
+        self.disagg = DisaggView(window)  # a prefill/decode deployment's panels
 
     # --- choosing a server -------------------------------------------------------------------
     def open_connect_dialog(self) -> None:
@@ -76,6 +81,7 @@ class RemoteWatch(QObject):
         w = self.w
         w.remote_info = None
         self.metrics_problem = ""
+        self.disagg.leave()
         self.show_notes()
         w.kv_stack.setCurrentWidget(w.kv_tabs)
         w.chart_stack.setCurrentWidget(w.charts)
@@ -95,6 +101,8 @@ class RemoteWatch(QObject):
         link.replies.connect(w.feed.on_replies)
         link.frames.connect(w.feed.on_frames)
         link.frames.connect(w.lifecycle.on_frames)  # the lower KV tiers line
+        link.role_frames.connect(self.disagg.on_frames)
+        link.engine_status.connect(self.disagg.on_engine_status)
         link.metrics.connect(self._on_metrics)
         link.metrics_problem.connect(self._on_metrics_problem)
         link.alias.connect(self._on_alias)
@@ -118,9 +126,15 @@ class RemoteWatch(QObject):
         w.remote_info = info
         w.status.hide_progress()
         per_block = info.per_block
+        if self.disagg.active and not info.disaggregated:
+            self.disagg.leave()  # the server came back as something else
         w.kv_stack.setCurrentWidget(w.kv_tabs if per_block else w.kv_aggregate)
         w.chart_stack.setCurrentWidget(w.charts if per_block else w.metric_charts)
-        if per_block:
+        if info.disaggregated:
+            w.welcome = info.welcome
+            self.disagg.show(info)
+            w.controls.show_config(config_dict(info.welcome.config))
+        elif per_block:
             w.welcome = info.welcome
             w.status.show_engine(info.welcome.model)
             label = w.status.model_label
@@ -191,18 +205,19 @@ class RemoteWatch(QObject):
         if self.sender() is self.w.link:
             self.aliases[rid] = response_id
 
-    def engine_rid(self, rid: str) -> str | None:
+    def engine_rid(self, rid: str, histories: Iterable[History] | None = None) -> str | None:
         """The engine's id of a chat sent over HTTP (a KVScope front-end names its engine
-        request after the response id: "<chatcmpl-...>-<suffix>"); None while unknown."""
+        request after the response id: "<chatcmpl-...>-<suffix>"), looked up in the window's
+        history or in `histories` (a disaggregated deployment's engines); None while unknown."""
         alias = self.aliases.get(rid)
         if alias is None:
             return None
-        history = self.w.history
-        latest = history.latest
-        live = [r.request_id for r in latest.requests] if latest is not None else []
-        for erid in (*live, *history.last_tables):
-            if erid == alias or erid.startswith(alias + "-"):
-                return erid
+        for history in (self.w.history,) if histories is None else histories:
+            latest = history.latest
+            live = [r.request_id for r in latest.requests] if latest is not None else []
+            for erid in (*live, *history.last_tables):
+                if erid == alias or erid.startswith(alias + "-"):
+                    return erid
         return None
 
     def chat_rid_of(self, engine_rid: str) -> str:

@@ -87,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not restart a spawned engine that dies (default: restart it, with backoff)",
     )
+    d = p.add_argument_group("prefill/decode disaggregation (docs/PROTOCOL.md section 10)")
+    d.add_argument("--disaggregated", action="store_true",
+                   help="spawn a prefill and a decode engine (CPU cores split) and route "
+                   "every request through both")  # fmt: skip
+    d.add_argument("--connect-prefill", default=None,
+                   help="with --disaggregated: a running `--role prefill` engine's endpoint")
+    d.add_argument("--connect-decode", default=None,
+                   help="with --disaggregated: a running `--role decode` engine's endpoint")
+    d.add_argument("--disagg-cores", type=int, default=None,
+                   help="cores to split between the two engines (default: all)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -110,6 +120,12 @@ def check_security(args: argparse.Namespace, keys: list[str]) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if args.max_tokens is not None and args.max_tokens < 1:
         return f"--max-tokens must be >= 1, got {args.max_tokens}"
+    if args.disaggregated and args.connect:
+        return "--disaggregated takes --connect-prefill and --connect-decode, not --connect"
+    if not args.disaggregated and (args.connect_prefill or args.connect_decode):
+        return "--connect-prefill / --connect-decode need --disaggregated"
+    if args.disagg_cores is not None and args.disagg_cores < 2:
+        return f"--disagg-cores must be >= 2, got {args.disagg_cores}"
     return None
 
 
@@ -295,7 +311,11 @@ async def _serve(
 ) -> None:
     import uvicorn
 
-    link = EngineLink()
+    link: Any = EngineLink()
+    if args.disaggregated:
+        from app.router.deployment import DisaggLink
+
+        link = DisaggLink()
     app = create_app(settings, link)
     config = uvicorn.Config(
         app, log_level=str(args.log_level).lower(), access_log=False, timeout_keep_alive=30,
@@ -308,7 +328,12 @@ async def _serve(
         fatal.append(why)
         server.should_exit = True
 
-    keeper = EngineKeeper(link, args, token, on_fatal=stop_serving)
+    if args.disaggregated:
+        from app.router.deployment import DisaggKeeper
+
+        keeper: Any = DisaggKeeper(link, args, token, on_fatal=stop_serving)
+    else:
+        keeper = EngineKeeper(link, args, token, on_fatal=stop_serving)
     keeper.start()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     # One line on stdout, like the engine's READY line: tools (and the GUI) read the URL here.

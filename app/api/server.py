@@ -32,6 +32,7 @@ from ipc.client import EngineError
 log = logging.getLogger(__name__)
 
 TELEMETRY_MEDIA_TYPE = "application/vnd.kvscope.msgpack"  # docs/PROTOCOL.md section 9
+ENGINE_ROLES = ("prefill", "decode")  # the engines of a disaggregated deployment
 
 
 @dataclass(slots=True)
@@ -226,18 +227,58 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
             raise api_error_of(exc) from None
         return {"prompt": out.text}
 
+    def relay_client(engine: str | None) -> Any:
+        """The client whose welcome and telemetry a /kvscope/* route relays: the deployment's
+        (no `engine`: what old windows ask for), or one engine of a disaggregated one."""
+        if engine is None:
+            client = link.ready_client()
+            engines = engines_of(link)
+            if engines is None:
+                return client
+            # the pair's own answer is its decode engine's (the prefill one's while decode is
+            # down): relayed from that engine, so that its stream ends when it goes away
+            return next((one.client for one in (engines["decode"], engines["prefill"])
+                         if engine_status(one) == "ready"), client)  # fmt: skip
+        if engine not in ENGINE_ROLES:
+            raise APIError(400, f"engine must be one of {', '.join(ENGINE_ROLES)}, got {engine!r}",
+                           param="engine")  # fmt: skip
+        engines = engines_of(link)
+        if engines is None:
+            raise APIError(400, f"engine={engine} needs a disaggregated deployment (kvscope serve "
+                           "--disaggregated); this server fronts one engine: leave engine out",
+                           param="engine")  # fmt: skip
+        one = engines[engine]
+        if engine_status(one) != "ready":
+            raise APIError(503, f"the {engine} engine is not ready: {one.detail}",
+                           code="engine_unavailable")  # fmt: skip
+        return one.ready_client()
+
+    @app.get("/kvscope/deployment")
+    async def kvscope_deployment() -> dict[str, Any]:
+        """One engine or a prefill/decode pair, and how each engine is doing."""
+        engines = engines_of(link)
+        if engines is None:
+            return {"disaggregated": False, "engines": {"engine": engine_status(link)},
+                    "detail": {"engine": link.detail}}  # fmt: skip
+        return {
+            "disaggregated": True,
+            "engines": {role: engine_status(one) for role, one in engines.items()},
+            "detail": {role: one.detail for role, one in engines.items()},
+            "refused": getattr(link, "refused", None),
+        }
+
     @app.get("/kvscope/welcome")
-    async def kvscope_welcome() -> Response:
+    async def kvscope_welcome(engine: str | None = None) -> Response:
         """The engine's hello answer (model, live config), for a window attached over HTTP."""
-        client = link.ready_client()
+        client = relay_client(engine)
         assert client.welcome is not None
         return Response(P.encode(client.welcome), media_type=TELEMETRY_MEDIA_TYPE)
 
     @app.get("/kvscope/telemetry")
-    async def kvscope_telemetry() -> Response:
+    async def kvscope_telemetry(engine: str | None = None) -> Response:
         """Every telemetry snapshot, as the engine's PUB sends it: frames of a 4-byte big-endian
         length and one MessagePack Telemetry. A slow reader loses the oldest snapshots."""
-        client = link.ready_client()
+        client = relay_client(engine)
         tap = client.tap_telemetry()
 
         async def frames() -> AsyncIterator[bytes]:
@@ -286,6 +327,23 @@ def default_model_id(name: str) -> str:
     """A model id clients can type: the engine's display name without its "(format)" note,
     spaces as dashes ("SmolLM2-135M-Instruct (Q4_1 GGUF)" -> "SmolLM2-135M-Instruct")."""
     return name.split(" (", 1)[0].strip().replace(" ", "-") or "model"
+
+
+def engines_of(link: Any) -> dict[str, EngineLink] | None:
+    """A disaggregated deployment's engines by role (app/router/deployment.py DisaggLink has
+    one EngineLink each); None for a single engine."""
+    engines = {role: getattr(link, role, None) for role in ENGINE_ROLES}
+    if all(isinstance(one, EngineLink) for one in engines.values()):
+        return engines  # type: ignore[return-value]
+    return None
+
+
+def engine_status(link: EngineLink) -> str:
+    """loading | ready | gone, noticing a client that went away since the link last looked."""
+    client = link.client
+    if link.status == "ready" and (client is None or client.state != "ready"):
+        return "gone"
+    return link.status
 
 
 def _model_field(body: Any) -> str | None:

@@ -12,7 +12,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from app.remote.kvscope_http import RemoteError, afetch_welcome, auth_headers
+from app.remote.kvscope_http import (
+    ROLES,
+    Deployment,
+    RemoteError,
+    afetch_deployment,
+    afetch_welcome,
+    auth_headers,
+)
 from app.remote.metrics import CANONICAL, MAX_METRICS_BYTES, MetricsError, Scrape, detect_kind
 from app.remote.metrics import parse_scrape as _parse
 from app.remote.openai_client import alist_models, describe
@@ -67,6 +74,7 @@ class ServerInfo:
     welcome: P.Welcome | None = None  # a KVScope front-end: the engine behind it
     first_scrape: Scrape | None = None
     missing: list[str] = field(default_factory=list)  # canonical metrics not exported
+    deployment: Deployment | None = None  # a KVScope front-end: one engine or a pair
 
     @property
     def model(self) -> str:
@@ -79,6 +87,11 @@ class ServerInfo:
     @property
     def per_block(self) -> bool:
         return self.welcome is not None
+
+    @property
+    def disaggregated(self) -> bool:
+        """A KVScope prefill/decode pair: the window follows each engine's telemetry."""
+        return self.per_block and self.deployment is not None and self.deployment.disaggregated
 
 
 async def fetch_metrics_text(http: httpx.AsyncClient, base_url: str, api_key: str | None,
@@ -137,4 +150,24 @@ async def discover(http: httpx.AsyncClient, base_url: str, api_key: str | None, 
         except (RemoteError, httpx.HTTPError) as exc:
             # an older front-end without /kvscope/*: its /metrics still works
             info.metrics_note = info.metrics_note or f"no per-block telemetry ({exc})"
+        else:
+            info.deployment = await discover_deployment(http, base_url, api_key, timeout)
     return info
+
+
+async def discover_deployment(http: httpx.AsyncClient, base_url: str, api_key: str | None,
+                              timeout: float = 10.0) -> Deployment | None:
+    """A KVScope front-end's deployment, with each engine's welcome when it is disaggregated
+    (None for an engine that is not up now). None from an older front-end."""
+    try:
+        deployment = await afetch_deployment(http, base_url, api_key, timeout)
+    except (RemoteError, httpx.HTTPError):
+        return None
+    if deployment is not None and deployment.disaggregated:
+        for role in ROLES:
+            try:
+                welcome = await afetch_welcome(http, base_url, api_key, timeout, engine=role)
+            except (RemoteError, httpx.HTTPError):
+                welcome = None
+            deployment.welcomes[role] = welcome
+    return deployment

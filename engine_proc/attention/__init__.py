@@ -7,22 +7,37 @@ import logging
 import torch
 
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
+from engine_proc.attention.kv_quant import Fp8TorchAttentionBackend, Int8TorchAttentionBackend
 from engine_proc.attention.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
+_TORCH_BACKENDS: dict[str, type[TorchAttentionBackend]] = {
+    "auto": TorchAttentionBackend,
+    "int8": Int8TorchAttentionBackend,
+    "fp8": Fp8TorchAttentionBackend,
+}
+
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "select_backend"]
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device, kv_cache_dtype: str = "auto"
+) -> AttentionBackend:
     """'auto': Triton on CUDA (when it can run there), the torch reference elsewhere;
-    'torch' / 'triton' force one."""
+    'torch' / 'triton' force one. Either reads and writes the pool in ``kv_cache_dtype``
+    (auto | int8 | fp8)."""
     if name not in ("auto", "torch", "triton"):
         raise ValueError(
             f"attention_backend must be one of ('auto', 'torch', 'triton'), got {name!r}"
         )
+    if kv_cache_dtype not in _TORCH_BACKENDS:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {tuple(_TORCH_BACKENDS)}, got {kv_cache_dtype!r}"
+        )
+    torch_backend = _TORCH_BACKENDS[kv_cache_dtype]
     if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
+        return torch_backend()
     from engine_proc.attention import triton_backend as tb
 
     if not tb.is_triton_usable(device):
@@ -33,6 +48,6 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         )
         if name == "auto":
             logger.warning("Triton cannot run on %s: %s; using torch attention", device, why)
-            return TorchAttentionBackend()
+            return torch_backend()
         raise ValueError(f"attention_backend='triton' cannot run on {device}: {why}")
-    return tb.TritonAttentionBackend()
+    return tb.TritonAttentionBackend(kv_cache_dtype)

@@ -1,5 +1,8 @@
-"""int8 KV cache for the torch attention path: symmetric int8 with one float16 scale per token
-and KV head, kept in a scale tensor beside the pool.
+"""Quantised KV caches on the torch attention path, and what the engine needs to set one up.
+
+int8: symmetric int8 with one float16 scale per token and KV head, kept in a scale tensor beside
+the pool (fp8, per-layer scales, is in kv_fp8.py; the Triton kernels read both formats in
+triton_kv_codec.py).
 
 The KV write quantises each (token, head) row of head_dim values: scale = max|x| / 127 rounded to
 float16, q = round(x / scale). Attention dequantises only the blocks a step gathers (never the
@@ -10,8 +13,11 @@ runs unchanged on top of it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from engine_proc.attention.kv_fp8 import FP8_DTYPE, Fp8KV, kv_fp8_bytes_per_token
 from engine_proc.attention.torch_ref import TorchAttentionBackend
 
 SCALE_DTYPE = torch.float16
@@ -71,18 +77,18 @@ class QuantizedKV:
         self.scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, s)
 
 
-class Int8TorchAttentionBackend(TorchAttentionBackend):
-    """The torch reference attention over an int8 KV cache (QuantizedKV layers)."""
+class QuantizedTorchAttentionBackend(TorchAttentionBackend):
+    """The torch reference attention over quantised layers (QuantizedKV or Fp8KV): writes go
+    through the layer's quantiser, reads through its dequantising index."""
 
-    name = "torch-int8"
     graph_safe = False
 
     def write_kv(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: QuantizedKV,  # type: ignore[override]
-        v_cache: QuantizedKV,  # type: ignore[override]
+        k_cache: QuantizedKV | Fp8KV,  # type: ignore[override]
+        v_cache: QuantizedKV | Fp8KV,  # type: ignore[override]
         slot_mapping: torch.Tensor,
     ) -> None:
         valid = slot_mapping >= 0
@@ -90,3 +96,52 @@ class Int8TorchAttentionBackend(TorchAttentionBackend):
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
         k_cache.write(key, slot_mapping)
         v_cache.write(value, slot_mapping)
+
+
+class Int8TorchAttentionBackend(QuantizedTorchAttentionBackend):
+    name = "torch-int8"
+
+
+class Fp8TorchAttentionBackend(QuantizedTorchAttentionBackend):
+    name = "torch-fp8"
+
+
+def kv_bytes_per_token(
+    kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """Pool bytes of one token's K and V in a given kv_cache_dtype ("auto": the model dtype of
+    ``dtype_bytes`` per value)."""
+    if kv_cache_dtype == "int8":
+        return kv_int8_bytes_per_token(num_layers, num_kv_heads, head_dim)
+    if kv_cache_dtype == "fp8":
+        return kv_fp8_bytes_per_token(num_layers, num_kv_heads, head_dim)
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"kv_cache_dtype must be one of ('auto', 'int8', 'fp8'), got {kv_cache_dtype!r}"
+        )
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the pool tensor for a kv_cache_dtype."""
+    return {"int8": torch.int8, "fp8": FP8_DTYPE}.get(kv_cache_dtype, model_dtype)
+
+
+def layer_caches(
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_scales: torch.Tensor | None,  # int8: [num_layers, 2, num_blocks, block_size, heads]
+    layer_scales: torch.Tensor | None,  # fp8: [num_layers, 2]
+    dtype: torch.dtype,  # what attention reads a quantised cache back in
+) -> list[tuple[Any, Any]]:
+    """Per layer, the (K, V) objects the model hands its attention backend: views of the pool,
+    or QuantizedKV / Fp8KV wrappers of them."""
+    layers = range(kv_cache.shape[0])
+    if kv_cache.dtype == torch.int8:
+        assert kv_scales is not None
+        return [tuple(QuantizedKV(kv_cache[i, j], kv_scales[i, j], dtype) for j in (0, 1))
+                for i in layers]  # fmt: skip
+    if kv_cache.dtype == FP8_DTYPE:
+        assert layer_scales is not None and layer_scales.shape == (kv_cache.shape[0], 2)
+        return [tuple(Fp8KV(kv_cache[i, j], layer_scales[i, j], dtype) for j in (0, 1))
+                for i in layers]  # fmt: skip
+    return [(kv_cache[i, 0], kv_cache[i, 1]) for i in layers]

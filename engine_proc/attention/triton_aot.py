@@ -33,6 +33,14 @@ logger = logging.getLogger(__name__)
 SHARED_MEMORY_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 _PTR_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+# Pool values and scale pointers per kv_cache_dtype ("auto": the model dtype, scales unread).
+_KV_PTR_TYPES = {"int8": ("*i8", "*fp16"), "fp8": ("*u8", "*fp32")}
+LABEL_WIDTH = 68  # the report's first column
+
+
+def _dtype_label(dtype: torch.dtype, kv_cache_dtype: str) -> str:
+    short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    return short if kv_cache_dtype == "auto" else f"{short}/{kv_cache_dtype}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,11 +50,12 @@ class AttentionVariant:
     head_dim: int
     block_size: int
     max_query_len: int  # 1 = decode-only launch; larger = prefill tiles
+    kv_cache_dtype: str = "auto"  # the pool's format: auto | int8 | fp8
 
     def label(self) -> str:
         kind = "decode" if self.max_query_len == 1 else "prefill"
         return (
-            f"attention {str(self.dtype).removeprefix('torch.'):<8} group {self.group:<2} "
+            f"attention {_dtype_label(self.dtype, self.kv_cache_dtype):<9} group {self.group:<2} "
             f"head_dim {self.head_dim:<3} block {self.block_size:<2} {kind}"
         )
 
@@ -57,12 +66,12 @@ class WriteKVVariant:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    kv_cache_dtype: str = "auto"
 
     def label(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
         return (
-            f"write_kv  {dtype:<8} kv_heads {self.num_kv_heads:<2} "
-            f"head_dim {self.head_dim:<3} block {self.block_size:<2}"
+            f"write_kv  {_dtype_label(self.dtype, self.kv_cache_dtype):<9} kv_heads "
+            f"{self.num_kv_heads:<2} head_dim {self.head_dim:<3} block {self.block_size:<2}"
         )
 
 
@@ -92,16 +101,29 @@ def default_variants() -> list[AttentionVariant | WriteKVVariant]:
     out.append(AttentionVariant(torch.bfloat16, 3, 80, 32, 64))
     out.append(WriteKVVariant(torch.bfloat16, 8, 128, 16))
     out.append(WriteKVVariant(torch.float32, 3, 80, 32))
+    # Quantised pools: every model dtype reads them, decode and prefill tiles.
+    for kv in ("int8", "fp8"):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for max_query_len in (1, 64):
+                out.append(AttentionVariant(dtype, 3, 128, 16, max_query_len, kv))
+        out.append(AttentionVariant(torch.bfloat16, 8, 64, 32, 1, kv))
+        out.append(WriteKVVariant(torch.bfloat16, 8, 128, 16, kv))
+        out.append(WriteKVVariant(torch.float32, 3, 80, 32, kv))
     return out
 
 
 def quick_variants() -> list[AttentionVariant | WriteKVVariant]:
     """A few seconds' worth: the engine's common bf16 decode, the heaviest prefill tile (float32,
-    head_dim 128) and the KV write."""
+    head_dim 128), the KV write, the int8 and fp8 pools' decode, the heaviest quantised prefill
+    (float32 over int8) and fp8's quantising write."""
     return [
         AttentionVariant(torch.bfloat16, 8, 128, 16, 1),
         AttentionVariant(torch.float32, 3, 128, 32, 64),
         WriteKVVariant(torch.bfloat16, 8, 128, 16),
+        AttentionVariant(torch.bfloat16, 8, 128, 16, 1, "int8"),
+        AttentionVariant(torch.bfloat16, 8, 128, 16, 1, "fp8"),
+        AttentionVariant(torch.float32, 3, 128, 16, 64, "int8"),
+        WriteKVVariant(torch.bfloat16, 8, 128, 16, "fp8"),
     ]
 
 
@@ -123,37 +145,39 @@ def _source(variant: AttentionVariant | WriteKVVariant):
     """The kernel as Triton's compiler takes it, and the warp count ``forward`` launches with."""
     from triton.compiler import ASTSource
 
-    from engine_proc.attention import triton_backend as tb
+    from engine_proc.attention import triton_attention_kernel, triton_kv_codec, triton_launch
 
     ptr = _PTR_TYPES[variant.dtype]
+    cache_ptr, scale_ptr = _KV_PTR_TYPES.get(variant.kv_cache_dtype, (ptr, ptr))
+    kv_pointers = {
+        "k_cache_ptr": cache_ptr,
+        "v_cache_ptr": cache_ptr,
+        "k_scale_ptr": scale_ptr,
+        "v_scale_ptr": scale_ptr,
+    }
     if isinstance(variant, AttentionVariant):
-        kernel = tb._paged_attention_kernel
-        constants = tb.attention_constants(
+        kernel = triton_attention_kernel.paged_attention_kernel
+        constants = triton_launch.attention_constants(
             variant.dtype, variant.group, variant.head_dim, variant.block_size,
-            variant.max_query_len,
+            variant.max_query_len, variant.kv_cache_dtype,
         )  # fmt: skip
         pointers = {
             "out_ptr": ptr,
             "query_ptr": ptr,
-            "k_cache_ptr": ptr,
-            "v_cache_ptr": ptr,
+            **kv_pointers,
             "block_tables_ptr": "*i32",
             "seq_lens_ptr": "*i32",
             "query_start_loc_ptr": "*i32",
         }
         floats: tuple[str, ...] = ("scale_log2",)
     else:
-        kernel = tb._write_kv_kernel
+        kernel = triton_kv_codec.write_kv_kernel
         constants = dict(  # a copy: the cached dict must not lose keys to the pop below
-            tb.write_kv_constants(variant.num_kv_heads, variant.head_dim, variant.block_size)
+            triton_launch.write_kv_constants(
+                variant.num_kv_heads, variant.head_dim, variant.block_size, variant.kv_cache_dtype
+            )
         )
-        pointers = {
-            "key_ptr": ptr,
-            "value_ptr": ptr,
-            "k_cache_ptr": ptr,
-            "v_cache_ptr": ptr,
-            "slot_mapping_ptr": "*i64",
-        }
+        pointers = {"key_ptr": ptr, "value_ptr": ptr, **kv_pointers, "slot_mapping_ptr": "*i64"}
         floats = ()
     num_warps = int(constants.pop("num_warps", 4))
     sig = _signature(kernel, pointers, floats, constants)
@@ -253,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Compile the Triton kernels for NVIDIA GPUs without one (ptxas report).",
     )
     parser.add_argument("--arch", type=_parse_archs, default=[80, 90], help="e.g. 80,86,90")
-    parser.add_argument("--quick", action="store_true", help="three variants instead of all")
+    parser.add_argument("--quick", action="store_true", help="seven variants instead of all")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -266,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     variants = quick_variants() if args.quick else default_variants()
     print(
-        f"{'variant':<62} {'sm':>3} {'warps':>5} {'regs':>5} {'spill B':>8} {'smem KB':>8} {'s':>5}"
+        f"{'variant':<{LABEL_WIDTH}} {'sm':>3} {'warps':>5} {'regs':>5} {'spill B':>8} "
+        f"{'smem KB':>8} {'s':>5}"
     )
     failures = 0
     for arch in args.arch:
@@ -275,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
                 r = compile_variant(variant, arch)
             except Exception as exc:  # report every variant, then fail
                 failures += 1
-                print(f"{variant.label():<62} {arch:>3} FAILED: {exc!r}"[:400])
+                print(f"{variant.label():<{LABEL_WIDTH}} {arch:>3} FAILED: {exc!r}"[:400])
                 continue
             flag = "" if r.fits else "  exceeds the shared-memory limit"
             failures += not r.fits
             print(
-                f"{r.label:<62} {arch:>3} {r.num_warps:>5} {r.registers!s:>5} "
+                f"{r.label:<{LABEL_WIDTH}} {arch:>3} {r.num_warps:>5} {r.registers!s:>5} "
                 f"{r.spill_bytes!s:>8} {r.shared_bytes / 1024:>8.1f} {r.seconds:>5.1f}{flag}"
             )
     print("all variants compiled" if not failures else f"{failures} variant(s) failed")

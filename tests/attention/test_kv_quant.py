@@ -1,6 +1,7 @@
-"""int8 KV cache (engine_proc/attention/kv_quant.py) against float64 brute force: the
-quantiser's rounding bound, and paged attention over int8 K/V against attention computed in
-float64 from the same dequantised values."""
+"""Quantised KV caches on the torch path (engine_proc/attention/kv_quant.py, kv_fp8.py) against
+float64 brute force: the int8 quantiser's rounding bound, and paged attention over int8 and fp8
+K/V against attention computed in float64 from the stored codes, which must be what each
+format's definition stores (tests/attention/kv_references.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import torch
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.attention.base import AttentionMetadata
+from engine_proc.attention.kv_fp8 import FP8_DTYPE, Fp8KV
 from engine_proc.attention.kv_quant import (
+    Fp8TorchAttentionBackend,
     Int8TorchAttentionBackend,
     QuantizedKV,
     kv_int8_bytes_per_token,
     quantize_int8,
 )
+from tests.attention.kv_references import e4m3_decode, fp8_round_trip, int8_round_trip
 from tests.engine_fixtures import greedy_reference
 from tests.tiny_models import hf_reference_model, tiny_model_dir
 
@@ -57,15 +61,36 @@ def _brute_attention(q, k, v, ctx_lens, q_lens, scale):
     return out
 
 
+def _quantized_pool(kv: str, dtype: torch.dtype, blocks: int, bs: int, kv_heads: int, dim: int):
+    """(backend, K layer, V layer, float64 read-back of the stored K and V by slot)."""
+    shape = (blocks, bs, kv_heads, dim)
+    if kv == "int8":
+        layers = [QuantizedKV(torch.zeros(shape, dtype=torch.int8),
+                              torch.ones(shape[:-1], dtype=torch.float16), dtype)
+                  for _ in range(2)]  # fmt: skip
+
+        def stored(layer):
+            return (layer.data.double() * layer.scale.double()[..., None]).view(-1, kv_heads, dim)
+
+        return Int8TorchAttentionBackend(), *layers, stored
+    # K and V at their own per-layer scales (powers of two, as calibration picks them)
+    layers = [Fp8KV(torch.zeros(shape, dtype=FP8_DTYPE), torch.tensor(s), dtype)
+              for s in (2.0**-5, 2.0**-6)]  # fmt: skip
+
+    def stored(layer):
+        return (e4m3_decode(layer.data.view(torch.uint8)) * layer.scale.item()).view(
+            -1, kv_heads, dim
+        )
+
+    return Fp8TorchAttentionBackend(), *layers, stored
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_paged_attention_matches_float64_brute_force(dtype):
+def test_quantised_paged_attention_matches_float64_brute_force(kv, dtype):
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, bs, blocks = 4, 2, 16, 4, 24
-    data = torch.zeros(blocks, bs, kv_heads, dim, dtype=torch.int8)
-    scale = torch.ones(blocks, bs, kv_heads, dtype=torch.float16)
-    vdata, vscale = data.clone(), scale.clone()
-    k_cache, v_cache = QuantizedKV(data, scale, dtype), QuantizedKV(vdata, vscale, dtype)
-    backend = Int8TorchAttentionBackend()
+    backend, k_cache, v_cache, stored = _quantized_pool(kv, dtype, blocks, bs, kv_heads, dim)
     # Sequence 0: a prompt chunk of 5 after 6 cached tokens; 1: a fresh prompt of 7;
     # 2 and 3: decodes with 9 and 13 tokens of context.
     seq_lens, q_lens = [11, 7, 10, 14], [5, 7, 1, 1]
@@ -106,24 +131,18 @@ def test_int8_paged_attention_matches_float64_brute_force(dtype):
     )
     scale_f = 1 / math.sqrt(dim)
     out = backend.forward(q, k_cache, v_cache, meta, scale_f)
-    # The reference reads the stored int8 codes and scales back in float64 ...
-    deq_k = [
-        torch.stack([data.view(-1, kv_heads, dim)[x].double()
-                     * scale.view(-1, kv_heads)[x].double()[:, None] for x in sl])
-        for sl in slots
-    ]  # fmt: skip
-    deq_v = [
-        torch.stack([vdata.view(-1, kv_heads, dim)[x].double()
-                     * vscale.view(-1, kv_heads)[x].double()[:, None] for x in sl])
-        for sl in slots
-    ]  # fmt: skip
+    # The reference reads the stored codes back in float64 (its own e4m3 decoding) ...
+    deq_k = [stored(k_cache)[torch.tensor(sl)] for sl in slots]
+    deq_v = [stored(v_cache)[torch.tensor(sl)] for sl in slots]
     ref = _brute_attention(q, deq_k, deq_v, seq_lens, q_lens, scale_f)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     assert (out.double() - ref).abs().max().item() < tol
-    # ... and those are the written K/V to within half a quantisation step.
+    # ... and those are what the format's definition stores of the written K/V.
     for s in range(4):
-        step = scale.view(-1, kv_heads)[torch.tensor(slots[s])].double().max().item()
-        assert (deq_k[s] - full_k[s].to(dtype).double()).abs().max().item() <= step / 2 + 1e-3
+        for got, full, layer in ((deq_k[s], full_k[s], k_cache), (deq_v[s], full_v[s], v_cache)):
+            x = full.to(dtype)
+            want = int8_round_trip(x) if kv == "int8" else fp8_round_trip(x, layer.scale.item())
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_int8_pool_holds_about_twice_the_tokens_of_bf16_for_the_default_model_shape():

@@ -26,3 +26,14 @@ def test_interpreted_kernels_serve_cpu_only(caplog):
     assert "TRITON_INTERPRET=1" in caplog.text
     with pytest.raises(ValueError, match="triton' cannot run on cuda: TRITON_INTERPRET=1"):
         select_backend("triton", torch.device("cuda"))
+
+
+def test_the_kv_cache_dtype_picks_the_quantised_variant_of_each_backend():
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu, "int8").name == "torch-int8"
+    assert select_backend("torch", cpu, "fp8").name == "torch-fp8"
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .*'fp8'.*got 'fp4'"):
+        select_backend("auto", cpu, "fp4")
+    interpreted_triton()
+    assert select_backend("triton", cpu, "fp8").name == "triton-fp8"
+    assert select_backend("triton", cpu, "int8").name == "triton-int8"

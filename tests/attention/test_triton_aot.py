@@ -1,5 +1,6 @@
-"""The Triton kernels pass the real GPU compiler, not only the interpreter: each launch variant is
-built down to a cubin for sm_80 and sm_90 (no GPU needed) and ptxas' resource report is checked.
+"""The Triton kernels pass the real GPU compiler, not only the interpreter: each launch variant (the
+model-dtype pool and the int8 / fp8 ones) is built down to a cubin for sm_80 and sm_90 (no GPU
+needed) and ptxas' resource report is checked.
 Runs in a subprocess because this test session imports the kernels in interpreter mode."""
 
 import os
@@ -7,6 +8,7 @@ import re
 import subprocess
 import sys
 
+from engine_proc.attention.triton_aot import LABEL_WIDTH
 from tests.needs import require_triton
 
 require_triton()  # a failure on Linux without it (a declared test dependency)
@@ -24,9 +26,11 @@ def test_kernels_compile_for_ampere_and_hopper_without_heavy_spills(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if re.match(r"^(attention|write_kv) ", line)]
-    assert len(rows) == 6, proc.stdout  # 3 variants x 2 architectures
+    # 7 variants (4 of them int8 / fp8 pools) x 2 architectures
+    assert len(rows) == 14, proc.stdout
+    assert sum("/int8 " in r for r in rows) == 4 and sum("/fp8 " in r for r in rows) == 4
     for row in rows:
-        sm, warps, regs, spill, smem = row[62:].split()[:5]
+        sm, warps, regs, spill, smem = row[LABEL_WIDTH:].split()[:5]
         assert int(regs) <= 255, row
         # A few bytes move with the Triton version; tiles that do not fit spill kilobytes
         # (float32 prefill at 64 rows x head_dim 128 spilled 43 KB before it got 32 rows).

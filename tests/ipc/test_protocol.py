@@ -80,7 +80,8 @@ def _examples() -> list[msgspec.Struct]:
 _TOKEN = {"token"}
 DOC_CLIENT_FIELDS = {
     "hello": _TOKEN | {"protocol_version", "client_name"},
-    "generate": _TOKEN | {"request_id", "prompt", "messages", "sampling", "cache_salt"},
+    "generate": _TOKEN
+    | {"request_id", "prompt", "messages", "sampling", "cache_salt", "kv_transfer"},
     "tokenize": _TOKEN
     | {"request_id", "prompt", "messages", "add_special_tokens", "add_generation_prompt"},
     "detokenize": _TOKEN | {"request_id", "token_ids"},
@@ -98,7 +99,7 @@ DOC_ENGINE_FIELDS = {
     "delta": {"request_id", "index", "token_ids", "text", "token_times", "time", "logprobs"},
     "tokenized": {"request_id", "token_ids", "text", "max_model_len"},
     "finish": {"request_id", "index", "reason", "usage", "ttft", "tpot", "e2e", "queue_time",
-               "error"},
+               "error", "kv_handoff"},
     "control_ack": {"control_id", "op", "config", "time", "result"},
     "error": {"code", "message", "request_id", "control_id"},
     "heartbeat": _TOKEN | {"time", "paused"},
@@ -120,7 +121,10 @@ DOC_NESTED_FIELDS = {
                   "device", "block_size", "num_blocks", "kv_bytes_per_token", "max_model_len",
                   "model_id", "num_heads", "vocab_size", "attention_backend", "kv_pool_bytes",
                   "decode_weights", "cuda_graph_sizes", "kv_cache_dtype", "kv_host_bytes",
-                  "kv_disk_bytes"},
+                  "kv_disk_bytes", "role", "kv_transfer_endpoint", "cache_identity"},
+    P.KVTransferParams: {"do_remote_decode", "remote_endpoint", "remote_lease_id",
+                         "block_hashes", "output_token_ids"},
+    P.KVHandoff: {"lease_id", "endpoint", "block_hashes", "lease_seconds"},
     P.LiveConfig: {"max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk",
                    "enable_prefix_caching", "paused"},
     P.Usage: {"prompt_tokens", "cached_tokens", "completion_tokens"},
@@ -142,7 +146,7 @@ DOC_NESTED_FIELDS = {
 DOC_ERROR_CODES = {
     "bad_message", "unknown_kind", "invalid_message", "unauthorized", "version_mismatch",
     "invalid_request", "duplicate_request_id", "unknown_request", "invalid_control",
-    "overloaded", "shutting_down", "internal_error",
+    "overloaded", "shutting_down", "internal_error", "kv_transfer_failed",
 }  # fmt: skip
 # SamplingOptions defaults from the table in section 4.1.
 DOC_SAMPLING_DEFAULTS = dict(

@@ -1,7 +1,7 @@
 """*Engine → KV cache* (issue 14): the KV element type and the lower KV tiers from the window,
-remembered in the settings and passed to the engine's command line; int8 and the tiers exclude
-each other (the engine refuses the combination); the status bar says what runs. No engine: the
-restart is replaced by a recorder of the command line it would start."""
+remembered in the settings and passed to the engine's command line; int8 and the tiers go
+together; the status bar says what runs. No engine: the restart is replaced by a recorder of the
+command line it would start."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_engine_options_take_the_kv_choices_from_the_settings(tmp_path):
 @pytest.mark.parametrize(
     "values",
     [
-        {"engine/kv_cache_dtype": "fp8", "engine/kv_host_memory": "lots",
+        {"engine/kv_cache_dtype": "fp4", "engine/kv_host_memory": "lots",
          "engine/kv_disk_bytes": "-5"},
         {"engine/kv_cache_dtype": 3, "engine/kv_host_memory": "1.5",
          "engine/kv_disk_bytes": ["x"]},
@@ -74,10 +74,15 @@ def test_garbage_kv_settings_start_the_engine_default(tmp_path, values):
     assert not any(a.startswith("--kv-") for a in args)
 
 
-def test_int8_next_to_a_tier_in_the_settings_never_starts_a_failing_engine(tmp_path):
-    both = DictSettings({"engine/kv_cache_dtype": "int8", "engine/kv_host_memory": str(GIB)})
-    opts = app_main._engine_options(app_main.build_parser().parse_args([]), both, tmp_path)
-    assert opts.kv_cache_dtype == "auto" and opts.kv_host_memory == GIB
+def test_int8_next_to_tiers_in_the_settings_starts_with_both(tmp_path):
+    both = DictSettings({"engine/kv_cache_dtype": "int8", "engine/kv_host_memory": str(GIB),
+                         "engine/kv_disk_bytes": str(GIB)})
+    args = app_main._engine_options(app_main.build_parser().parse_args([]), both,
+                                    tmp_path).to_args()
+    assert _flag(args, "--kv-cache-dtype") == "int8"
+    assert _flag(args, "--kv-host-memory") == str(GIB)
+    assert _flag(args, "--kv-disk-bytes") == str(GIB)
+    assert _flag(args, "--kv-disk-dir") == str(tmp_path / "kv-cache")
 
 
 @pytest.fixture
@@ -107,33 +112,32 @@ def test_choosing_int8_restarts_the_engine_with_it(spawned):
     assert len(w.restarts) == 1
 
 
-def test_a_tier_while_int8_is_on_turns_int8_off_with_a_message(spawned):
+def test_tiers_and_int8_combine(spawned):
     w = spawned
     acts = w.kv_cache_actions
     w.set_kv_cache_dtype("int8")
     acts["host"][GIB].trigger()
     args = w.restarts[-1]
     assert _flag(args, "--kv-host-memory") == str(GIB)
-    assert _flag(args, "--kv-cache-dtype") == "auto"  # never int8 next to a tier
-    assert acts["dtype"]["auto"].isChecked() and acts["host"][GIB].isChecked()
-    msg = w.statusBar().currentMessage()
-    assert "Automatic" in msg and "cannot be combined" in msg
-    assert w.settings.value("engine/kv_cache_dtype") == "auto"
+    assert _flag(args, "--kv-cache-dtype") == "int8"  # the element type stays
+    assert acts["dtype"]["int8"].isChecked() and acts["host"][GIB].isChecked()
+    assert w.settings.value("engine/kv_cache_dtype") == "int8"
     assert int(w.settings.value("engine/kv_host_memory")) == GIB
     # The disk tier goes into the data directory.
     acts["disk"][8 * GIB].trigger()
     args = w.restarts[-1]
     assert _flag(args, "--kv-disk-dir") == str(w.data_dir / "kv-cache")
     assert _flag(args, "--kv-disk-bytes") == str(8 * GIB)
-    # int8 again: both tiers go off, said why.
-    acts["dtype"]["int8"].trigger()
-    args = w.restarts[-1]
     assert _flag(args, "--kv-cache-dtype") == "int8"
-    assert not {"--kv-host-memory", "--kv-disk-dir", "--kv-disk-bytes"} & set(args)
-    assert acts["host"][0].isChecked() and acts["disk"][0].isChecked()
-    assert "tiers turned off" in w.statusBar().currentMessage()
-    assert int(w.settings.value("engine/kv_host_memory")) == 0
-    assert int(w.settings.value("engine/kv_disk_bytes")) == 0
+    # Back to the model's dtype: the tiers stay.
+    acts["dtype"]["auto"].trigger()
+    args = w.restarts[-1]
+    assert _flag(args, "--kv-cache-dtype") == "auto"
+    assert _flag(args, "--kv-host-memory") == str(GIB)
+    assert _flag(args, "--kv-disk-bytes") == str(8 * GIB)
+    assert acts["host"][GIB].isChecked() and acts["disk"][8 * GIB].isChecked()
+    assert int(w.settings.value("engine/kv_host_memory")) == GIB
+    assert len(w.restarts) == 4
 
 
 def test_replies_in_flight_are_asked_about_first(spawned, monkeypatch):
@@ -185,7 +189,7 @@ def test_attached_engine_keeps_its_kv_cache(qtbot, tmp_path):
     assert "applies to engines this app starts" in w.statusBar().currentMessage()
     assert w.settings.value("engine/kv_cache_dtype") == "int8"
     with pytest.raises(ValueError, match="element type must be one of"):
-        w.set_kv_cache_dtype("fp8")
+        w.set_kv_cache_dtype("fp4")
     w.shutdown()
 
 
@@ -201,6 +205,8 @@ def test_status_bar_shows_the_element_type_and_the_tiers(qtbot, tmp_path):
     int8 = _model(kv_cache_dtype="int8", kv_bytes_per_token=2 * 30 * 3 * (64 + 2))
     assert kv_formula(int8) == ("KV/token int8 2·L·H_kv·(D·1 + 2 scale) = 2·30·3·(64·1 + 2) "
                                 "= 11,880 B")
+    fp8 = _model(kv_cache_dtype="fp8", kv_bytes_per_token=2 * 30 * 3 * 64)
+    assert kv_formula(fp8) == "KV/token fp8 2·L·H_kv·D·1 = 2·30·3·64·1 = 11,520 B"
     # an old engine's ModelInfo (no such keys: defaults are left out of the map) decodes with
     # the defaults
     assert not {"kv_cache_dtype", "kv_host_bytes", "kv_disk_bytes"} & set(

@@ -1,15 +1,26 @@
 """The prefix tree view: layout (ui/prefix_tree_layout.py), the worker's tracker and the panel
-(ui/prefix_tree.py), from hand-built event batches whose tree is known."""
+(ui/prefix_tree.py), from hand-built event batches whose tree is known; blocks only a lower KV
+tier holds are drawn in that tier's hue, muted, and their hover says where they live."""
 
 from __future__ import annotations
 
 import hashlib
 
 import numpy as np
+from PySide6.QtGui import QColor
 
 from ipc import kv_events as K
-from ui.prefix_tree import BAR_COLOURS, CACHED_BAR, IN_USE_BAR, SELECTED_BAR, PrefixTreePanel
-from ui.prefix_tree_layout import TreeTracker, layout_tree
+from ui.kv_tier_panel import TIER_COLOURS
+from ui.prefix_tree import (
+    BAR_COLOURS,
+    CACHED_BAR,
+    DISK_BAR,
+    HOST_BAR,
+    IN_USE_BAR,
+    SELECTED_BAR,
+    PrefixTreePanel,
+)
+from ui.prefix_tree_layout import DISK_ONLY, HOST_ONLY, IN_POOL, TreeTracker, layout_tree
 from ui.telemetry import BLOCK_CACHED, BLOCK_IN_USE, Frame, RequestView
 
 BS = 4
@@ -19,13 +30,15 @@ def h(name: str) -> bytes:
     return hashlib.sha256(name.encode()).digest()
 
 
-def stored(names: list[str], parent: str | None, first_id: int) -> K.BlockStored:
+def stored(names: list[str], parent: str | None, first_id: int, medium: str = "pool"):
+    """BlockStored of a chain; a lower tier's (first_id -1) names no pool blocks."""
     return K.BlockStored(
         block_hashes=[h(n) for n in names],
         parent_block_hash=None if parent is None else h(parent),
         token_ids=[t for n in names for t in [ord(n[0]) * 10 + int(n[1])] * BS],
         block_size=BS,
-        block_ids=list(range(first_id, first_id + len(names))),
+        block_ids=list(range(first_id, first_id + len(names))) if first_id >= 0 else [],
+        medium=medium,
     )
 
 
@@ -90,9 +103,13 @@ def test_tracker_asks_for_a_replay_once_per_period_after_a_lost_batch():
     assert t.needs_replay(3, now=0.2)  # batches 2 and 3 never arrived
     assert not t.needs_replay(3, now=1.0)  # asked already
     assert t.needs_replay(3, now=2.5)
-    replay = K.KVEventBatch(seq=4, time=0.0, events=[K.AllBlocksCleared(), stored(["x0"], None, 0)])
+    pool_only = K.KVEventBatch(seq=4, time=0.0, events=[K.AllBlocksCleared()])
+    t.on_batch(pool_only)  # prefix caching turned off: the tiers' blocks may still be wrong
+    assert t.needs_replay(4, now=5.0)
+    clears = [K.AllBlocksCleared(medium=m) for m in ("pool", "host", "disk")]
+    replay = K.KVEventBatch(seq=5, time=0.0, events=[*clears, stored(["x0"], None, 0)])
     t.on_batch(replay)
-    assert not t.needs_replay(4, now=5.0) and list(t.tree.nodes) == [h("x0")]
+    assert not t.needs_replay(5, now=5.0) and list(t.tree.nodes) == [h("x0")]
     assert t.maybe_layout(now=5.0) is None  # the panel is not shown
     t.wanted = True
     assert t.maybe_layout(now=5.0).num_blocks == 1
@@ -154,3 +171,58 @@ def test_panel_colours_by_state_and_highlights_the_selected_request(qtbot):
     # the same request seen again is not a new hit
     panel.set_frame(_frame(states, [req]))
     assert panel.hits[0] == 1
+
+
+def _tiered_batch() -> K.KVEventBatch:
+    """trunk_with_branches, then a0-a1 written down to host memory and b0 to disk and all three
+    evicted from the pool; s0 written down to both but kept in the pool."""
+    return K.KVEventBatch(seq=2, time=0.0, events=[
+        stored(["a0", "a1"], "s2", -1, "host"),
+        stored(["b0"], "s2", -1, "disk"),
+        stored(["s0"], None, -1, "host"),
+        stored(["s0"], None, -1, "disk"),
+        K.BlockRemoved(block_hashes=[h("a0"), h("a1"), h("b0")]),
+    ])  # fmt: skip
+
+
+def test_tier_only_blocks_keep_their_place_in_a_muted_tier_colour(qtbot):
+    panel = PrefixTreePanel()
+    qtbot.addWidget(panel)
+    tree = K.PrefixTree()
+    tree.apply(trunk_with_branches())
+    tree.apply(_tiered_batch())
+    lay = layout_tree(tree)
+    where = {lay.hashes[i]: int(lay.tier[i]) for i in range(lay.num_blocks)}
+    assert where[h("a0")] == where[h("a1")] == HOST_ONLY and where[h("b0")] == DISK_ONLY
+    assert where[h("s0")] == where[h("c0")] == IN_POOL
+    assert lay.num_blocks == 10 and lay.num_roots == 1  # evicted blocks stay in the tree
+    panel.set_layout(lay)
+    assert "2 in host memory only, 1 on disk only" in panel.note.text()
+    assert "host memory" in panel.legend.text() and "disk" in panel.legend.text()
+    states = {i: BLOCK_CACHED for i in range(10)}  # pool blocks 3-5 now hold nothing cached
+    panel.set_frame(_frame(states, []))
+    panel.redraw()
+
+    def pixel(name: str) -> tuple[int, ...]:
+        i = lay.hashes.index(h(name))
+        return tuple(int(v) for v in panel.image.image[2 * int(lay.row[i]), int(lay.x0[i]) // BS])
+
+    assert pixel("a0") == pixel("a1") == tuple(BAR_COLOURS[HOST_BAR])
+    assert pixel("b0") == tuple(BAR_COLOURS[DISK_BAR])
+    assert pixel("s0") == tuple(BAR_COLOURS[CACHED_BAR])  # in the pool: its pool state
+    pool_colours = {tuple(BAR_COLOURS[k]) for k in (CACHED_BAR, IN_USE_BAR, SELECTED_BAR)}
+    for name, tier in (("a0", "host"), ("b0", "disk")):
+        drawn, strip = QColor(*pixel(name)), QColor(TIER_COLOURS[tier])
+        assert pixel(name) not in pool_colours
+        assert abs(drawn.hslHue() - strip.hslHue()) <= 10  # about the tiers strip's hue, muted
+        assert drawn.value() < strip.value() and drawn.hslSaturation() < strip.hslSaturation()
+    # hover: where it lives, and no pool block for a block the pool no longer holds
+    i = panel.bar_at(13.0, -0.2)  # a0: tokens 12-15, row 0 (its band's upper half)
+    assert lay.hashes[i] == h("a0")
+    text = panel.describe(i)
+    assert "evicted from the pool" in text and "host memory" in text and "pool block" not in text
+    text = panel.describe(lay.hashes.index(h("b0")))
+    assert "evicted from the pool" in text and "lives in: disk" in text
+    text = panel.describe(lay.hashes.index(h("s0")))
+    assert "evicted" not in text and "lives in: the pool, host memory, disk" in text
+    assert "pool block 0" in text
