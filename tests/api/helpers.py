@@ -62,6 +62,20 @@ class ServeProc:
             time.sleep(0.2)
         raise RuntimeError(f"serve did not get healthy:\n{self.log()}")
 
+    def wait_engines(self, timeout: float = 300.0) -> ServeProc:
+        """A disaggregated deployment is healthy with one engine up: wait for both."""
+        self.wait_healthy(timeout)
+        both = {"prefill": "ready", "decode": "ready"}
+        headers = {"authorization": f"Bearer {API_KEY}"}
+
+        def engines() -> dict[str, str]:
+            url = self.url + "/kvscope/deployment"
+            return httpx.get(url, headers=headers, timeout=30).json()["engines"]
+
+        if not wait_for(lambda: engines() == both, timeout):
+            raise RuntimeError(f"both engines did not come up:\n{self.log()}")
+        return self
+
     def log(self) -> str:
         self.stderr.seek(0)
         return self.stderr.read()[-6000:]

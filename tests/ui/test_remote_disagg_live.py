@@ -17,7 +17,7 @@ from app.remote.kvscope_http import fetch_welcome, stream_telemetry
 from app.settings import open_settings
 from ipc import protocol as P
 from ipc.client import TelemetrySubscriber
-from tests.api.helpers import API_KEY, ServeProc, wait_for
+from tests.api.helpers import API_KEY, ServeProc
 from tests.ui.conftest import send_chat
 from ui.main_window import EngineSource, MainWindow, wait_until
 from ui.telemetry import Frame
@@ -39,16 +39,10 @@ def deployment(tiny_dir):
         "--engine-args", f"--num-kv-blocks {BLOCKS} --telemetry-hz 50",
     ])  # fmt: skip
     try:
-        proc.wait_healthy()  # healthy with one engine: wait for the other as well
-        assert wait_for(lambda: _engines(proc.url) == {"prefill": "ready", "decode": "ready"},
-                        300), proc.log()
+        proc.wait_engines()
         yield proc
     finally:
         proc.stop()
-
-
-def _engines(url: str) -> dict[str, str]:
-    return httpx.get(url + "/kvscope/deployment", headers=AUTH, timeout=30).json()["engines"]
 
 
 def test_each_engine_is_relayed_on_its_own(deployment):
