@@ -36,6 +36,8 @@ WORKLOAD_SYSTEMS = {
 # kvscope's decode weights in the streams workloads: what the app runs on a CPU by default
 # (`auto`: 4-bit copies for steps of at most 16 tokens where supported, else dense).
 STREAMS_DECODE_WEIGHTS = "auto"
+# ...and the decode step the app uses with them (engine_proc/fused_decode.py; built once, cached)
+STREAMS_DECODE_STEP = "fused"
 
 
 @dataclass(slots=True)
@@ -199,7 +201,7 @@ def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab) -> dict:
         rng = random.Random(f"{seed}:streams")  # streams-4's prompts begin streams-16's
         reqs = [_request(f"s{i}", vocab.draw(rng, s.streams_len), s.streams_new, arrival_s=0.0)
                 for i in range(n)]
-        engine = {"decode_weights": STREAMS_DECODE_WEIGHTS}
+        engine = {"decode_weights": STREAMS_DECODE_WEIGHTS, "decode_step": STREAMS_DECODE_STEP}
         meta.update(streams=n, decode_weights=STREAMS_DECODE_WEIGHTS)
         hf_batch = n  # transformers serves all N in one static batch (no padding: same length)
     elif name in KV_BUILDERS:

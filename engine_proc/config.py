@@ -8,6 +8,7 @@ from dataclasses import dataclass
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_BACKENDS = ("auto", "torch", "triton")
 SUPPORTED_DECODE_WEIGHTS = ("dense", "int4", "auto")
+SUPPORTED_DECODE_STEPS = ("eager", "fused", "auto")
 SUPPORTED_KV_TIER_POLICIES = ("write_back", "write_through")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 DEFAULT_KV_DISK_BYTES = 4 * 1024**3
@@ -38,6 +39,10 @@ class EngineConfig:
     # prompt-sized products keep the dense weights. "auto": int4 where it can run (CPU), else
     # dense.
     decode_weights: str = "dense"
+    # "fused": CPU decode steps of the int4 model in one C++ call (engine_proc/fused_decode.py,
+    # compiled on first use and cached); "auto": that once a cached build exists, built in the
+    # background meanwhile; "eager": torch operators from Python. Falls back to eager (logged).
+    decode_step: str = "eager"
     seed: int = 0  # seeds requests that bring no seed of their own
     # Lower KV tiers (engine_proc/kv_tiers.py), off by default: bytes of host memory for evicted
     # prefix blocks (pinned on CUDA), and a directory whose block files outlive the process.
@@ -61,6 +66,10 @@ class EngineConfig:
             raise ValueError(
                 f"decode_weights must be one of {SUPPORTED_DECODE_WEIGHTS}, "
                 f"got {self.decode_weights!r}"
+            )
+        if self.decode_step not in SUPPORTED_DECODE_STEPS:
+            raise ValueError(
+                f"decode_step must be one of {SUPPORTED_DECODE_STEPS}, got {self.decode_step!r}"
             )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
@@ -118,6 +127,13 @@ def add_kernel_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         help="int4: 4-bit weight copies for decode-sized products on CPU (faster decode); "
         "auto: int4 where it can run, dense elsewhere",
     )
+    parser.add_argument(
+        "--decode-step",
+        default="auto",
+        choices=SUPPORTED_DECODE_STEPS,
+        help="with int4 decode weights on CPU: fused runs each decode step in one C++ call "
+        "(compiled once, cached); auto: fused once built (built in the background)",
+    )
 
 
 def kernel_options(args: argparse.Namespace) -> dict[str, object]:
@@ -125,6 +141,7 @@ def kernel_options(args: argparse.Namespace) -> dict[str, object]:
         "attention_backend": args.attention_backend,
         "cuda_graphs": not args.no_cuda_graphs,
         "decode_weights": args.decode_weights,
+        "decode_step": args.decode_step,
     }
 
 

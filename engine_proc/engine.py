@@ -112,6 +112,7 @@ class LLMEngine:
         self.backend = select_backend(config.attention_backend, self.device, kv_dtype)
         self.runner = ModelRunner(
             self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,
+            decode_step=config.decode_step,
         )  # fmt: skip
         if config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self._capture_decode_graphs(progress)

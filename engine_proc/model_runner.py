@@ -12,6 +12,7 @@ import torch
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
 from engine_proc.attention.kv_quant import layer_caches
 from engine_proc.cuda_graphs import DecodeGraphRunner, Graph
+from engine_proc.fused_decode import FusedDecode
 from engine_proc.models.llama import LlamaModel
 from engine_proc.request import Sequence
 from engine_proc.scheduler import ScheduledBatch
@@ -35,6 +36,7 @@ class ModelRunner:
         kv_scales: torch.Tensor | None = None,  # int8 KV: [num_layers, 2, num_blocks, bs, heads]
         kv_dtype: torch.dtype | None = None,  # int8/fp8 KV: the dtype attention reads it back in
         kv_layer_scales: torch.Tensor | None = None,  # fp8 KV: [num_layers, 2], fixed at start
+        decode_step: str = "eager",  # "fused" / "auto": engine_proc/fused_decode.py
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -46,6 +48,9 @@ class ModelRunner:
         self.device = kv_cache.device
         self.decode_graphs: DecodeGraphRunner | None = None  # set by enable_decode_graphs
         self.num_graph_steps = 0
+        quantized = kv_scales is not None or kv_layer_scales is not None
+        self.fused = FusedDecode(model, kv_cache, quantized, decode_step)
+        self.num_fused_steps = 0
 
     def enable_decode_graphs(
         self,
@@ -127,6 +132,9 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             hidden = self.decode_graphs.run(step)
             self.num_graph_steps += 1
+        elif (fused := self.fused.ready()) is not None and fused.can_run(step.meta):
+            hidden = fused.forward(step.input_ids, step.positions, self.kv_cache, step.meta)
+            self.num_fused_steps += 1
         else:
             hidden = self.model.forward(
                 step.input_ids, step.positions, self.kv_caches, step.meta, self.backend

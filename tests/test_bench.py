@@ -117,7 +117,8 @@ def test_streams_workloads_are_n_identical_greedy_streams(sizes) -> None:
         assert all(r["max_tokens"] == sizes.streams_new for r in reqs)
         assert all("temperature" not in r for r in reqs)  # greedy
         assert len({tuple(r["prompt"]) for r in reqs}) == n
-        assert w["engine"] == {"decode_weights": "auto"}  # kvscope's CPU default, said so
+        # kvscope's CPU defaults, said so: 4-bit decode weights, the fused C++ decode step
+        assert w["engine"] == {"decode_weights": "auto", "decode_step": "fused"}
         assert WORKLOAD_SYSTEMS[w["name"]] == ("kvscope", "hf", "llamacpp")
         prompts.append([r["prompt"] for r in reqs])
     for small, large in zip(prompts, prompts[1:], strict=False):

@@ -235,22 +235,33 @@ def test_int4_greedy_decoding_follows_a_float64_reference_of_its_arithmetic(nati
     float32 head), teacher-forced on the engine's tokens; each greedy token must be the
     reference's choice up to that tolerance. No claim that the 4-bit engine picks the dense
     engine's tokens: this tiny random model has near-tied logits that bf16 rounding decides."""
-    ck = snapped_checkpoint()
     int4 = _engine("int4")
     assert int4.model.layers[0].qkv_int4 is not None
+    check_greedy_decoding_against_reference(int4, native_bf16)
+
+
+def check_greedy_decoding_against_reference(
+    int4: LLMEngine, native_bf16: bool, ck=None, bf16_head_rows: int | None = None
+) -> None:
+    """The body of the test above, for an int4 engine over ``ck`` (default snapped_checkpoint())
+    whose logits of up to ``bf16_head_rows`` rows (default: BF16_HEAD_ROWS) come from the bf16
+    output projection; also run with the fused decode step (tests/test_fused_decode.py)."""
+    ck = ck or snapped_checkpoint()
+    if bf16_head_rows is None:
+        bf16_head_rows = BF16_HEAD_ROWS[native_bf16]
     step_rows: list[int] = []
     step_logits: list[torch.Tensor] = []
-    forward, compute_logits = int4.model.forward, int4.model.compute_logits
+    execute, compute_logits = int4.runner.execute, int4.model.compute_logits
 
-    def recording_forward(input_ids, *args):
-        step_rows.append(len(input_ids))
-        return forward(input_ids, *args)
+    def recording_execute(batch):
+        step_rows.append(sum(batch.num_new_tokens))
+        return execute(batch)
 
     def recording_compute_logits(hidden):
         step_logits.append(compute_logits(hidden))
         return step_logits[-1]
 
-    int4.model.forward, int4.model.compute_logits = recording_forward, recording_compute_logits
+    int4.runner.execute, int4.model.compute_logits = recording_execute, recording_compute_logits
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     batches = [
         # prefilled together (46 rows: dense products), then decoded 3 rows a step (4-bit)
@@ -265,7 +276,7 @@ def test_int4_greedy_decoding_follows_a_float64_reference_of_its_arithmetic(nati
         assert step_rows == [sum(map(len, prompts))] + [len(prompts)] * (params.max_tokens - 1)
         assert [len(s) for s in step_logits] == [len(prompts)] * params.max_tokens
         prefill_int4 = step_rows[0] <= MAX_ROWS
-        head_bf16 = len(prompts) <= BF16_HEAD_ROWS[native_bf16]
+        head_bf16 = len(prompts) <= bf16_head_rows
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             seq = prompt + out[:-1]
             ref = llama_forward(

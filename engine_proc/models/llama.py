@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -242,6 +243,10 @@ class LlamaModel:
         self.decode_weights = decode_weights
         self.lm_head_decode: torch.Tensor | None = None  # bf16 copy for decode (int4 mode)
         self.lm_head_decode_rows = 0
+        # Logits of up to head_kernel_rows rows by a faster kernel (hidden -> float32 logits),
+        # set by the fused decode step (engine_proc/fused_decode.py); None: the paths below.
+        self.head_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.head_kernel_rows = 0
         if decode_weights == "int4":
             self._pack_int4()
 
@@ -289,6 +294,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_kernel is not None and hidden.shape[0] <= self.head_kernel_rows:
+            return self.head_kernel(hidden)
         if self.lm_head_decode is not None and hidden.shape[0] <= self.lm_head_decode_rows:
             return F.linear(hidden.to(torch.bfloat16), self.lm_head_decode).float()
         return self.linear(hidden, self.lm_head).float()

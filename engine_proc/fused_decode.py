@@ -1,0 +1,315 @@
+"""The fused CPU decode step: a whole decode step of the int4 model in one C++ call
+(engine_proc/native/fused_decode.cpp) instead of ~40 torch operators per layer dispatched from
+Python.
+
+The extension is compiled on first use with the machine's C++ compiler (torch's
+cpp_extension, ``-O3 -march=native``) and cached under ``$KVSCOPE_CACHE_DIR/native`` (default
+``~/.cache/kvscope/native``), keyed by its source, torch's version and this CPU's flags: a
+second start loads it in well under a second. Without a compiler, or when the build fails, the
+engine logs a warning and decodes with the eager path.
+
+It serves steps where every sequence decodes one token (at most ``MAX_ROWS`` of them) on a
+float32 model with 4-bit decode weights and a float32 KV cache; every other step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from engine_proc.attention.base import AttentionMetadata
+from engine_proc.config import SUPPORTED_DECODE_STEPS
+from engine_proc.model_loader import tokenizer_cache_dir
+from engine_proc.models.int4 import MAX_ROWS, Int4Weight
+from engine_proc.models.llama import LlamaLayer, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+NATIVE = Path(__file__).parent / "native"
+SOURCE = NATIVE / "fused_decode.cpp"  # includes the headers beside it
+
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType] = {}
+
+
+def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool) -> str | None:
+    """Why the fused step cannot serve this engine, or None when it can."""
+    if model.decode_weights != "int4":
+        return "needs decode_weights='int4'"
+    if model.dtype != torch.float32 or kv_cache.dtype != torch.float32 or kv_quantized:
+        return "needs a float32 model and KV cache"
+    if kv_cache.device.type != "cpu":
+        return "runs on the CPU only"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "needs a C++ compiler (c++ or g++ on PATH)"
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build_key() -> str:
+    """What the compiled module depends on: source, torch, flags, and the CPU (-march=native)."""
+    sources = [f.read_text() for f in sorted(NATIVE.glob("*.[ch]*"))]
+    parts = [*sources, torch.__version__, " ".join(_CFLAGS), _cpu_flags()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def build_dir(key: str) -> Path:
+    tokenizers = tokenizer_cache_dir()  # the kvscope cache root's tokenizer folder, or None
+    if tokenizers is None:  # caching turned off: build in a temporary directory, gone at exit
+        directory = tempfile.mkdtemp(prefix="kvscope-native-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        return Path(directory)
+    return tokenizers.parent / "native" / f"fused_decode_{key}"
+
+
+def load_extension() -> ModuleType:
+    """Compile (or load the cached build of) the extension; raises when it cannot be built."""
+    key = build_key()
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        from torch.utils import cpp_extension
+
+        directory = build_dir(key)
+        directory.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        module = cpp_extension.load(
+            name=f"kvscope_fused_decode_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+        logger.info("fused decode step loaded in %.1f s (%s)", time.perf_counter() - t0, directory)
+        _loaded[key] = module
+        return module
+
+
+# 4-bit product kernels (the C++ Int4Kernel enum, in order): torch's own; ours, reading torch's
+# packed layout: portable scalar code (any CPU; slow, for tests) or AVX512-BF16 dot products.
+INT4_KERNELS = ("torch", "portable", "avx512_bf16")
+
+
+def torch_int4_layout_is_known() -> bool:
+    """Whether torch packs 4-bit codes as our kernels read them: [N / 64, K, 32] bytes, the
+    low nibble of byte (b, k, j) column 64 b + j, the high nibble column 64 b + 32 + j."""
+    n, k = 128, 64
+    codes = torch.randint(
+        0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
+    )
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    if packed.dtype != torch.uint8 or packed.numel() != n * k // 2:
+        return False
+    blocks = packed.reshape(n // 64, k, 32).int()
+    cols = codes.view(n // 64, 64, k).transpose(1, 2)
+    return torch.equal(blocks & 15, cols[..., :32]) and torch.equal(blocks >> 4, cols[..., 32:])
+
+
+def pick_int4_kernel(model: LlamaModel, module: ModuleType) -> str:
+    """avx512_bf16 where compiled in, allowed (model.native_bf16), the layout is torch's
+    known one and every 4-bit matrix has a multiple of 64 outputs; else torch's kernel."""
+    shapes_fit = all(
+        w is not None and w.out_features % 64 == 0
+        for layer in model.layers
+        for w in (layer.qkv_int4, layer.o_int4, layer.gate_up_int4, layer.down_int4)
+    )
+    if model.native_bf16 and module.has_avx512_bf16() and shapes_fit:
+        if torch_int4_layout_is_known():
+            return "avx512_bf16"
+    return "torch"
+
+
+def _linear(w: Int4Weight | None, bias: torch.Tensor | None) -> list[torch.Tensor]:
+    assert w is not None
+    return [w.packed, w.scales_zeros, torch.empty(0) if bias is None else bias.float().contiguous()]
+
+
+def layer_tensors(layer: LlamaLayer) -> list[torch.Tensor]:
+    """The 14 tensors per layer the C++ side reads, in its order."""
+    return [
+        layer.input_norm.contiguous(),
+        layer.post_norm.contiguous(),
+        *_linear(layer.qkv_int4, layer.qkv_bias),
+        *_linear(layer.o_int4, None),
+        *_linear(layer.gate_up_int4, None),
+        *_linear(layer.down_int4, None),
+    ]
+
+
+@dataclass(slots=True)
+class FusedDecodeStep:
+    """Runs pure decode steps of ``model`` through the extension's FusedDecoder."""
+
+    model: LlamaModel
+    module: ModuleType
+    decoder: object
+
+    @classmethod
+    def create(
+        cls,
+        model: LlamaModel,
+        module: ModuleType,
+        int4_kernel: str | None = None,
+        attention_chunks: int = 0,
+    ) -> FusedDecodeStep:
+        """int4_kernel: one of INT4_KERNELS; None picks avx512_bf16 where it can run.
+        attention_chunks: key chunks per sequence attended in parallel and merged; 0 picks by
+        context length and thread count (tests force the merge with more)."""
+        c = model.config
+        kernel = int4_kernel or pick_int4_kernel(model, module)
+        if kernel not in INT4_KERNELS:
+            raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {kernel!r}")
+        tensors = [t for layer in model.layers for t in layer_tensors(layer)]
+        rotary = model.rotary
+        decoder = module.FusedDecoder(
+            tensors, model.embed, rotary.cos, rotary.sin, c.num_heads, c.num_kv_heads,
+            c.head_dim, c.rms_norm_eps, INT4_KERNELS.index(kernel), attention_chunks,
+        )  # fmt: skip
+        logger.info("fused decode step: 4-bit products by the %s kernel", kernel)
+        return cls(model, module, decoder)
+
+    @staticmethod
+    def can_run(meta: AttentionMetadata) -> bool:
+        lens = meta.query_lens_cpu
+        return len(lens) <= MAX_ROWS and meta.max_query_len == 1 and len(lens) == sum(lens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        """Final-norm hidden states [rows, hidden] of a step that ``can_run``."""
+        return self.decoder.forward(
+            input_ids, positions, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            self.model.norm,
+        )  # fmt: skip
+
+
+class FusedDecode:
+    """The fused step of one runner, per ``decode_step``: "fused" builds (or loads) it now;
+    "auto" loads a cached build now, or builds one on a low-priority background thread while
+    the engine decodes eagerly, and switches when it is ready; "eager" never uses it. A build
+    that fails, or a model it cannot serve, leaves the eager path with a logged reason."""
+
+    def __init__(
+        self, model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool, mode: str
+    ) -> None:
+        if mode not in SUPPORTED_DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {SUPPORTED_DECODE_STEPS}, got {mode!r}")
+        self.model = model
+        self.step: FusedDecodeStep | None = None
+        self.state = "eager"  # "fused" | "building" | "eager"
+        self._pending: Future[ModuleType | None] | None = None
+        if mode == "eager":
+            return
+        why = unsupported_reason(model, kv_cache, kv_quantized)
+        if why is not None:
+            log = logger.warning if mode == "fused" else logger.info
+            log("fused decode step not used: %s; decoding eagerly", why)
+        elif mode == "fused" or is_built():
+            self._use(_guarded_load)
+        else:
+            self.state = "building"
+            self._pending = _build_in_background()
+
+    def ready(self) -> FusedDecodeStep | None:
+        """The fused step once it is usable (polls a background build), else None."""
+        if self._pending is not None and self._pending.done():
+            pending, self._pending = self._pending, None
+            self._use(pending.result)
+        return self.step
+
+    def _use(self, get_module: Callable[[], ModuleType | None]) -> None:
+        module = get_module()
+        if module is None:
+            self.state = "eager"
+            return
+        self.step = FusedDecodeStep.create(self.model, module)
+        use_head_kernel(self.model, module)
+        self.state = "fused"
+
+
+def use_head_kernel(model: LlamaModel, module: ModuleType) -> str:
+    """Route decode-sized logits through the extension: the exact 8-bit weights in float32
+    where the output projection is 8-bit valued (a GGUF Q8_0 tensor: the default model), else
+    its bf16 kernel for the int4 mode's bf16 copy. Returns which ("q8", "bf16" or "none")."""
+    q8 = module.q8_pack(model.lm_head) if model.lm_head.dtype == torch.float32 else []
+    if q8:
+        codes, scales = q8
+        model.head_kernel = lambda hidden: module.q8_logits(hidden, codes, scales)
+        model.head_kernel_rows = MAX_ROWS
+        kind = "q8"
+    elif model.lm_head_decode is not None:
+        weight, native = model.lm_head_decode, model.native_bf16
+        model.head_kernel = lambda hidden: module.bf16_logits(hidden, weight, native)
+        model.head_kernel_rows = model.lm_head_decode_rows
+        kind = "bf16"
+    else:
+        return "none"
+    logger.info("fused decode step: output projection by the %s kernel", kind)
+    return kind
+
+
+def is_built() -> bool:
+    """Whether this machine has a cached build of the current source."""
+    directory = build_dir(build_key()) if tokenizer_cache_dir() is not None else None
+    return directory is not None and any(directory.glob("*.so"))
+
+
+def _guarded_load() -> ModuleType | None:
+    try:
+        return load_extension()
+    except Exception as exc:  # no compiler, a compile error, an unloadable module: stay eager
+        logger.warning("fused decode step unavailable (%s); decoding eagerly", exc)
+        return None
+
+
+def _build_in_background() -> Future[ModuleType | None]:
+    future: Future[ModuleType | None] = Future()
+
+    def build() -> None:
+        if sys.platform == "linux":  # nice is per thread on Linux; the compiler inherits it
+            os.nice(19)
+        logger.info("building the fused decode step in the background (once per machine)")
+        future.set_result(_guarded_load())
+
+    threading.Thread(target=build, name="fused-decode-build", daemon=True).start()
+    return future
+
+
+def main() -> None:
+    """python -m engine_proc.fused_decode: build (or load) the extension, print the time."""
+    argparse.ArgumentParser(description=main.__doc__).parse_args()
+    logging.basicConfig(level=logging.INFO)
+    cached = is_built()
+    t0 = time.perf_counter()
+    load_extension()
+    kind = "loaded from the cache" if cached else "compiled"
+    print(f"fused decode step {kind} in {time.perf_counter() - t0:.1f} s: {build_dir(build_key())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+// Attention of one decode token per sequence over the paged KV cache, read in place through
+// the block table (no gathered copy of the context), float32 throughout.
+//
+// Keys are visited block by block, every KV head of a block before the next block: a block's
+// slots are contiguous, so the reads stream (one head at a time across the whole context
+// strides through memory and waits on it). Long contexts are split into chunks of blocks
+// attended on different threads, each with its own softmax maximum and sum, merged at the end.
+#pragma once
+
+#include "common.h"
+
+namespace kvscope {
+
+struct StepShape {
+  int64_t heads, kv_heads, head_dim, block_size, max_blocks;
+  float scale;
+};
+
+// Rotary (rotate_half layout) of one head: out = x * cos + rotate_half(x) * sin.
+inline void rope(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+#if defined(__AVX512F__)
+// exp(x): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative
+// error < 2e-7), times 2^n by scalef (which saturates to 0 and infinity).
+inline __m512 exp_approx(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below this exp is 0 in float32 anyway
+  x = _mm512_min_ps(x, _mm512_set1_ps(104.f));  // above, infinity
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2, split in two
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// out[i] = exp(x[i])
+inline void exp_into(const float* x, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp_approx(_mm512_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) out[i] = std::exp(x[i]);
+}
+
+// In place: sc[j] = exp(sc[j] - m); returns their sum.
+inline float exp_sum(float* sc, int64_t n, float m) {
+  float total = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp_approx(_mm512_sub_ps(_mm512_loadu_ps(sc + j), _mm512_set1_ps(m)));
+    _mm512_storeu_ps(sc + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; j < n; ++j) {
+    sc[j] = std::exp(sc[j] - m);
+    total += sc[j];
+  }
+  return total;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// acc[i] += p * v[i]
+inline void axpy(float p, const float* v, float* acc, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
+}
+
+// Softmax state of one query head over a chunk of keys: exp(score - max) summed, and those
+// weights times the values.
+struct Partial {
+  float max = -INFINITY, sum = 0.f;
+};
+
+// Attention of all heads of one row over the blocks [b0, b1) of its table (keys up to seq_len):
+// per head, max, sum and the unnormalised output into acc [heads, d].
+inline void attend_chunk(const StepShape& s, const float* q, const float* k_cache,
+                         const float* v_cache, const int32_t* table, int64_t seq_len, int64_t b0,
+                         int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
+  const int64_t d = s.head_dim, group = s.heads / s.kv_heads, bs = s.block_size;
+  const int64_t slot_stride = s.kv_heads * d;  // floats per cache slot
+  const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
+  scores_buf.resize(s.heads * n);
+  float* scores = scores_buf.data();  // [heads, n]
+  for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
+    const float* block = k_cache + static_cast<int64_t>(table[b]) * bs * slot_stride;
+    const int64_t m = std::min(bs, n - j);
+    for (int64_t o = 0; o < m; ++o)  // slot by slot, every head: the block's bytes in order
+      for (int64_t h = 0; h < s.heads; ++h)
+        scores[h * n + j + o] = dot(q + h * d, block + o * slot_stride + (h / group) * d, d) * s.scale;
+    j += m;
+  }
+  for (int64_t h = 0; h < s.heads; ++h) {
+    float* sc = scores + h * n;
+    part[h].max = *std::max_element(sc, sc + n);
+    part[h].sum = exp_sum(sc, n, part[h].max);
+  }
+  std::fill(acc, acc + s.heads * d, 0.f);
+  for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
+    const float* block = v_cache + static_cast<int64_t>(table[b]) * bs * slot_stride;
+    const int64_t m = std::min(bs, n - j);
+    for (int64_t o = 0; o < m; ++o)
+      for (int64_t h = 0; h < s.heads; ++h)
+        axpy(scores[h * n + j + o], block + o * slot_stride + (h / group) * d, acc + h * d, d);
+    j += m;
+  }
+}
+
+// Rotary on the row's query heads and keys; the new K/V written at its slot (if any).
+inline void rope_and_write(const StepShape& s, const float* qkv_row, const float* cos,
+                           const float* sin, float* k_cache, float* v_cache, int64_t slot,
+                           float* q) {
+  const int64_t d = s.head_dim, slot_stride = s.kv_heads * d;
+  for (int64_t h = 0; h < s.heads; ++h) rope(qkv_row + h * d, cos, sin, d, q + h * d);
+  if (slot < 0) return;
+  for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+    const float* k_in = qkv_row + (s.heads + kvh) * d;
+    const float* v_in = qkv_row + (s.heads + s.kv_heads + kvh) * d;
+    rope(k_in, cos, sin, d, k_cache + slot * slot_stride + kvh * d);
+    std::copy(v_in, v_in + d, v_cache + slot * slot_stride + kvh * d);
+  }
+}
+
+// The chunks' softmax states merged (each rescaled to the overall maximum), normalised, as
+// bfloat16 [heads, d].
+inline void merge_chunks(const StepShape& s, const Partial* part, const float* acc,
+                         int64_t chunks, bf16* out) {
+  const int64_t d = s.head_dim;
+  for (int64_t h = 0; h < s.heads; ++h) {
+    float m = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part[c * s.heads + h].max);
+    std::vector<float> o(d, 0.f);
+    float total = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Partial& p = part[c * s.heads + h];
+      if (p.sum == 0.f) continue;  // an empty chunk
+      const float w = std::exp(p.max - m);
+      total += w * p.sum;
+      axpy(w, acc + (c * s.heads + h) * d, o.data(), d);
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys (a padding row): zeros
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] = bf16(o[i] * inv);
+  }
+}
+
+}  // namespace kvscope

@@ -1,0 +1,29 @@
+// Shared by the fused decode step's sources (see fused_decode.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define KVSCOPE_HAVE_AVX512_BF16 1
+#else
+#define KVSCOPE_HAVE_AVX512_BF16 0
+#endif
+
+namespace kvscope {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kGroupSize = 32;  // 4-bit and 8-bit weights: one scale per 32 inputs
+
+}  // namespace kvscope

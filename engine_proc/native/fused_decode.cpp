@@ -1,0 +1,217 @@
+// One CPU decode step of a Llama-family model over the paged KV cache, in a single call from
+// Python: what the eager path does with ~40 torch operators per layer (each a Python dispatch
+// of a few microseconds on vectors of a few hundred floats) runs here as plain loops around the
+// 4-bit products (int4_kernels.h), attention (attention.h) and the output projection
+// (head_kernels.h). Built at run time by engine_proc/fused_decode.py.
+//
+// The arithmetic is the eager int4 path's (engine_proc/models/llama.py): float32 hidden
+// states, RMSNorm in float32, bfloat16 activations into the 4-bit products (bfloat16 out),
+// rotary and attention in float32 on a float32 KV cache, SiLU-and-multiply in float32. Only
+// summation orders (and a polynomial exp) differ.
+
+#include "attention.h"
+#include "common.h"
+#include "head_kernels.h"
+#include "int4_kernels.h"
+
+namespace kvscope {
+namespace {
+
+struct Linear4 {
+  at::Tensor packed;        // torch's int4 CPU layout
+  at::Tensor scales_zeros;  // [in / 32, out, 2] bfloat16
+  at::Tensor bias;          // float32 [out] or undefined
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;  // float32 [hidden]
+  Linear4 qkv, o, gate_up, down;
+};
+
+// RMSNorm of each row of h [rows, n] (float32), rounded to bfloat16 for the int4 kernel.
+void rms_norm_bf16(const float* h, const float* w, int64_t rows, int64_t n, float eps, bf16* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = h + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = bf16(x[i] * inv * w[i]);
+  }
+}
+
+void rms_norm_f32(const float* h, const float* w, int64_t rows, int64_t n, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = h + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = x[i] * inv * w[i];
+  }
+}
+
+// h += y (bfloat16 [rows, n]) in float32.
+void add_bf16(float* h, const bf16* y, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) h[i] += static_cast<float>(y[i]);
+}
+
+class FusedDecoder {
+ public:
+  FusedDecoder(const std::vector<at::Tensor>& tensors, at::Tensor embed, at::Tensor cos,
+               at::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+               int64_t int4_kernel, int64_t attention_chunks)
+      : embed_(std::move(embed)), cos_(std::move(cos)), sin_(std::move(sin)), heads_(heads), kv_heads_(kv_heads),
+        head_dim_(head_dim), eps_(static_cast<float>(eps)), int4_kernel_(int4_kernel),
+        attention_chunks_(attention_chunks) {
+    constexpr size_t kPerLayer = 14;  // see fused_decode.py: layer_tensors
+    TORCH_CHECK(tensors.size() % kPerLayer == 0, "expected 14 tensors per layer");
+    for (size_t i = 0; i < tensors.size(); i += kPerLayer) {
+      const at::Tensor* t = &tensors[i];
+      layers_.push_back(Layer{t[0], t[1],
+                              {t[2], t[3], t[4]}, {t[5], t[6], t[7]},
+                              {t[8], t[9], t[10]}, {t[11], t[12], t[13]}});
+    }
+    TORCH_CHECK(cos_.is_contiguous() && cos_.scalar_type() == at::kFloat, "cos: float32");
+  }
+
+  // token ids [rows] -> final-norm hidden states [rows, hidden], float32.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor kv_cache,
+                     const at::Tensor& slots, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& final_norm) {
+    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "float32 KV cache");
+    TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
+    TORCH_CHECK(kv_cache.size(0) == static_cast<int64_t>(layers_.size()), "KV cache layers");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                    block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+                "int64 positions and slots, int32 block tables and sequence lengths");
+    TORCH_CHECK(input_ids.scalar_type() == at::kLong, "int64 token ids");
+    at::Tensor h = embed_.index_select(0, input_ids);
+    const int64_t rows = h.size(0), n = h.size(1);
+    const StepShape s{heads_, kv_heads_, head_dim_, kv_cache.size(3), block_tables.size(1),
+                      static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)))};
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const auto bf = at::TensorOptions().dtype(at::kBFloat16);
+    at::Tensor x = at::empty({rows, n}, bf);
+    at::Tensor attn = at::empty({rows, heads_ * head_dim_}, bf);
+    at::Tensor qkv_f = at::empty({rows, (heads_ + 2 * kv_heads_) * head_dim_}, at::kFloat);
+    float* hp = h.data_ptr<float>();
+    const int64_t layer_stride = kv_cache.stride(0);
+    const int64_t kv_half = kv_cache.stride(1);
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& L = layers_[li];
+      rms_norm_bf16(hp, L.input_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<bf16>());
+      at::Tensor qkv = int4_mm(x, L.qkv);
+      widen(qkv, L.qkv.bias, qkv_f);
+      float* k_cache = kv_cache.data_ptr<float>() + li * layer_stride;
+      attention(s, qkv_f, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
+      add_bf16(hp, int4_mm(attn, L.o).data_ptr<bf16>(), rows * n);
+      rms_norm_bf16(hp, L.post_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<bf16>());
+      at::Tensor gu = int4_mm(x, L.gate_up);
+      add_bf16(hp, int4_mm(silu_mul(gu), L.down).data_ptr<bf16>(), rows * n);
+    }
+    at::Tensor out = at::empty_like(h);
+    rms_norm_f32(hp, final_norm.data_ptr<float>(), rows, n, eps_, out.data_ptr<float>());
+    return out;
+  }
+
+ private:
+  // bfloat16 [rows, m] (+ float32 bias) -> float32 [rows, m]
+  static void widen(const at::Tensor& y, const at::Tensor& bias, at::Tensor& out) {
+    const int64_t rows = y.size(0), m = y.size(1);
+    const bf16* yp = y.data_ptr<bf16>();
+    float* op = out.data_ptr<float>();
+    const float* b = bias.defined() && bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < m; ++i)
+        op[r * m + i] = static_cast<float>(yp[r * m + i]) + (b ? b[i] : 0.f);
+  }
+
+  // silu(gate) * up in float32 from the bfloat16 [rows, 2I] gate/up product, to bfloat16.
+  static at::Tensor silu_mul(const at::Tensor& gu) {
+    const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+    at::Tensor out = at::empty({rows, inter}, gu.options());
+    const bf16* g = gu.data_ptr<bf16>();
+    bf16* o = out.data_ptr<bf16>();
+    std::vector<float> a(inter), e(inter);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < inter; ++i) a[i] = -static_cast<float>(g[r * 2 * inter + i]);
+      exp_into(a.data(), e.data(), inter);
+      for (int64_t i = 0; i < inter; ++i) {
+        const float u = static_cast<float>(g[r * 2 * inter + inter + i]);
+        o[r * inter + i] = bf16(-a[i] / (1.f + e[i]) * u);
+      }
+    }
+    return out;
+  }
+
+  // Rotary and the K/V write for every row, then attention over (row, chunk of its blocks)
+  // tasks: one chunk per row for short contexts (a fork-join costs more than the arithmetic),
+  // one per thread for long ones.
+  void attention(const StepShape& s, const at::Tensor& qkv_f, const int64_t* pos,
+                 const int64_t* slot, const int32_t* tables, const int32_t* lens, float* k_cache,
+                 float* v_cache, at::Tensor& attn) const {
+    const int64_t rows = qkv_f.size(0), width = qkv_f.size(1), d = s.head_dim, hd = s.heads * d;
+    const float* qkv = qkv_f.data_ptr<float>();
+    std::vector<float> q(rows * hd);
+    int64_t work = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      rope_and_write(s, qkv + r * width, cos_.data_ptr<float>() + pos[r] * d,
+                     sin_.data_ptr<float>() + pos[r] * d, k_cache, v_cache, slot[r], &q[r * hd]);
+      work += lens[r] * hd;
+    }
+    const int64_t chunks =
+        attention_chunks_ > 0 ? attention_chunks_ : work < (1 << 17) ? 1 : at::get_num_threads();
+    std::vector<Partial> part(rows * chunks * s.heads);
+    std::vector<float> acc(rows * chunks * hd);
+    at::parallel_for(0, rows * chunks, chunks > 1 ? 1 : rows, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = t / chunks, c = t % chunks;
+        const int64_t blocks = (lens[r] + s.block_size - 1) / s.block_size;
+        const int64_t per = (blocks + chunks - 1) / chunks;
+        const int64_t b0 = c * per, b1 = std::min(blocks, b0 + per);
+        if (b0 < b1)
+          attend_chunk(s, &q[r * hd], k_cache, v_cache, tables + r * s.max_blocks, lens[r], b0,
+                       b1, &part[t * s.heads], &acc[t * hd], scores);
+      }
+    });
+    bf16* out = attn.data_ptr<bf16>();
+    for (int64_t r = 0; r < rows; ++r)
+      merge_chunks(s, &part[r * chunks * s.heads], &acc[r * chunks * hd], chunks, out + r * hd);
+  }
+
+  std::vector<Layer> layers_;
+  at::Tensor embed_;  // float32 [vocab, hidden]
+  at::Tensor cos_, sin_;
+  int64_t heads_, kv_heads_, head_dim_;
+  float eps_;
+  int64_t int4_kernel_;
+  int64_t attention_chunks_;  // key chunks per row; 0: by context length and threads
+
+  at::Tensor int4_mm(const at::Tensor& x, const Linear4& w) const {
+    return int4_mm_kernel(x, w.packed, w.scales_zeros, int4_kernel_);
+  }
+};
+
+bool has_avx512_bf16() { return KVSCOPE_HAVE_AVX512_BF16 != 0; }
+
+}  // namespace
+}  // namespace kvscope
+
+using namespace kvscope;  // NOLINT: the bindings below
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<FusedDecoder>(m, "FusedDecoder")
+      .def(pybind11::init<const std::vector<at::Tensor>&, at::Tensor, at::Tensor, at::Tensor,
+                          int64_t, int64_t, int64_t, double, int64_t, int64_t>())
+      .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("bf16_logits", &bf16_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("has_avx512_bf16", &has_avx512_bf16);
+  m.def("int4_mm", &int4_mm_kernel, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q8_pack", &q8_pack, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q8_logits", &q8_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

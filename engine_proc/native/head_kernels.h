@@ -1,0 +1,154 @@
+// The output projection of decode-sized steps: a bfloat16 copy, or exact 8-bit codes.
+#pragma once
+
+#include "common.h"
+
+namespace kvscope {
+
+// out[r, n] = round_bf16(sum_k bf16(x[r, k]) * w[n, k]) for a bfloat16 [N, K] weight, float32
+// sums: the output projection of the int4 mode. native: AVX512-BF16 dot products (dpbf16ps)
+// where compiled in; otherwise bf16 -> float32 widening and float32 FMAs (same products, exact
+// in float32; only the summation order differs).
+void bf16_gemv_rows(const bf16* x, const bf16* w, int64_t rows, int64_t k, int64_t n0, int64_t n1,
+                    int64_t n, bool native, float* out) {
+#if KVSCOPE_HAVE_AVX512_BF16
+  if (native && k % 32 == 0) {
+    for (int64_t j = n0; j < n1; ++j) {
+      const bf16* wj = w + j * k;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bf16* xr = x + r * k;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i += 32) {
+          const __m512bh a = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xr + i));
+          const __m512bh b = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wj + i));
+          acc = _mm512_dpbf16_ps(acc, a, b);
+        }
+        out[r * n + j] = static_cast<float>(bf16(_mm512_reduce_add_ps(acc)));
+      }
+    }
+    return;
+  }
+#endif
+  (void)native;
+  std::vector<float> wf(k);
+  for (int64_t j = n0; j < n1; ++j) {
+    const bf16* wj = w + j * k;
+    for (int64_t i = 0; i < k; ++i) wf[i] = static_cast<float>(wj[i]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const bf16* xr = x + r * k;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < k; ++i) s += static_cast<float>(xr[i]) * wf[i];
+      out[r * n + j] = static_cast<float>(bf16(s));
+    }
+  }
+}
+
+// Logits [rows, N] (float32 holding bfloat16 values) of a float32 hidden state [rows, K]
+// against a bfloat16 output projection [N, K].
+at::Tensor bf16_logits(const at::Tensor& hidden, const at::Tensor& weight, bool native) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "bf16 weight");
+  const at::Tensor x = hidden.to(at::kBFloat16).contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  at::Tensor out = at::empty({rows, n}, at::kFloat);
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = weight.data_ptr<bf16>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 256, [&](int64_t n0, int64_t n1) {
+    bf16_gemv_rows(xp, wp, rows, k, n0, n1, n, native, op);
+  });
+  return out;
+}
+
+// ---- 8-bit output projection ---------------------------------------------------------------
+// A weight whose every group of 32 along K is exactly int8 codes times one scale (a GGUF Q8_0
+// tensor, dequantized: the default model's tied embeddings) is held as those codes, half the
+// bytes of a bfloat16 copy and exact. Layout for products that vectorize across 16 outputs:
+// codes [N / 16, K, 16] int8, scales [N / 16, K / 32, 16] float32.
+
+// (codes, scales), or an empty list when the weight is not exactly 8-bit (or N % 16 != 0).
+std::vector<at::Tensor> q8_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "float32 [N, K] weight");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), groups = k / kGroupSize;
+  if (n % 16 || k % kGroupSize) return {};
+  at::Tensor codes = at::empty({n / 16, k, 16}, at::kChar);
+  at::Tensor scales = at::empty({n / 16, groups, 16}, at::kFloat);
+  const float* wp = w.data_ptr<float>();
+  int8_t* cp = codes.data_ptr<int8_t>();
+  float* sp = scales.data_ptr<float>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, n, 256, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1 && exact.load(std::memory_order_relaxed); ++j) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* x = wp + j * k + g * kGroupSize;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kGroupSize; ++i) amax = std::max(amax, std::fabs(x[i]));
+        // Q8_0 sets scale = amax / 127, so the largest code is +-127 and the division is exact.
+        const float d = amax / 127.f;
+        sp[((j / 16) * groups + g) * 16 + j % 16] = d;
+        for (int64_t i = 0; i < kGroupSize; ++i) {
+          const float q = d > 0.f ? std::nearbyint(x[i] / d) : 0.f;
+          if (q * d != x[i]) exact.store(false, std::memory_order_relaxed);
+          cp[((j / 16) * k + g * kGroupSize + i) * 16 + j % 16] = static_cast<int8_t>(q);
+        }
+      }
+    }
+  });
+  if (!exact.load()) return {};
+  return {codes, scales};
+}
+
+// 16 outputs of one row: per group, 32 products summed in four interleaved float32 chains
+// (so consecutive FMAs do not wait on each other), then times the 16 group scales.
+void q8_block(const int8_t* c, const float* d, const float* x, int64_t k, float* out) {
+  const int64_t groups = k / kGroupSize;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                      _mm512_setzero_ps()};
+    for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; i += 4) {
+      for (int u = 0; u < 4; ++u) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (i + u) * 16));
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        part[u] = _mm512_fmadd_ps(_mm512_set1_ps(x[i + u]), w, part[u]);
+      }
+    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(d + g * 16), sum, acc);
+  }
+  _mm512_storeu_ps(out, acc);
+#else
+  float acc[16] = {0};
+  for (int64_t g = 0; g < groups; ++g) {
+    float part[16] = {0};
+    for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; ++i)
+      for (int j = 0; j < 16; ++j) part[j] += x[i] * static_cast<float>(c[i * 16 + j]);
+    for (int j = 0; j < 16; ++j) acc[j] += d[g * 16 + j] * part[j];
+  }
+  std::copy(acc, acc + 16, out);
+#endif
+}
+
+// Logits [rows, N] float32 = hidden [rows, K] (float32) x the exact 8-bit weight: float32
+// products and sums, as the dense float32 model computes them (in another order).
+at::Tensor q8_logits(const at::Tensor& hidden, const at::Tensor& codes, const at::Tensor& scales) {
+  const at::Tensor x = hidden.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kChar, "q8 dtypes");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = codes.size(0), groups = k / kGroupSize;
+  TORCH_CHECK(codes.size(1) == k && codes.size(2) == 16, "q8 codes [N / 16, K, 16]");
+  at::Tensor out = at::empty({rows, blocks * 16}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < rows; ++r)
+        q8_block(cp + b * k * 16, sp + b * groups * 16, xp + r * k, k, op + r * blocks * 16 + b * 16);
+  });
+  return out;
+}
+
+}  // namespace kvscope

@@ -1,0 +1,224 @@
+"""The fused CPU decode step (engine_proc/fused_decode.py, engine_proc/native/fused_decode.cpp).
+
+The quick tests check the option and the fallbacks without compiling anything. The slow ones
+compile the extension once (into the suite's own cache dir) and check its 4-bit kernels
+against brute-force products, its bf16 output projection against a float64 one, and greedy
+decoding through it against the float64 reference of the int4 arithmetic (tests/test_int4.py),
+under both bf16 arithmetics."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from engine_proc import EngineConfig, LLMEngine
+from engine_proc import fused_decode as fd
+from engine_proc.config import add_kernel_arguments, kernel_options
+from engine_proc.models.int4 import int4_kernels_available, quantize_int4
+from tests.float64_llama import bf16_round, bf16_ulp
+from tests.test_int4 import (
+    assert_bf16_product,
+    assert_within,
+    check_greedy_decoding_against_reference,
+    q4_1_matrix,
+    snapped_checkpoint,
+)
+
+pytestmark = pytest.mark.skipif(
+    not int4_kernels_available(), reason="this torch build has no int4 CPU kernels"
+)
+
+
+def _engine(decode_step: str, checkpoint=None, **config: object) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(num_kv_blocks=64, decode_weights="int4", decode_step=decode_step, **config),
+        checkpoint=checkpoint or snapped_checkpoint(),
+    )
+
+
+def q8_matrix(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """int8 codes times one float16 scale per group of 32 inputs, each group holding a code of
+    magnitude 127 (what a GGUF Q8_0 tensor dequantizes to)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out_features, in_features // 32, 32), generator=gen)
+    codes[..., 0] = 127 * (1 - 2 * torch.randint(0, 2, codes.shape[:2], generator=gen))
+    scale = (torch.rand(out_features, in_features // 32, 1, generator=gen) * 0.02 + 1e-3).half()
+    return (codes.float() * scale.float()).view(out_features, in_features)
+
+
+def q8_head_checkpoint():
+    """snapped_checkpoint() with an 8-bit valued output projection."""
+    ck = snapped_checkpoint()
+    ck.weights["lm_head.weight"] = q8_matrix(*ck.weights["lm_head.weight"].shape, seed=7)
+    return ck
+
+
+def test_decode_step_is_an_engine_option_and_a_flag():
+    import argparse
+
+    with pytest.raises(ValueError, match=r"decode_step must be one of \('eager', 'fused', 'auto'"):
+        EngineConfig(decode_step="compiled")
+    parser = argparse.ArgumentParser()
+    add_kernel_arguments(parser)
+    assert kernel_options(parser.parse_args([]))["decode_step"] == "auto"
+    args = parser.parse_args(["--decode-step", "eager"])
+    assert kernel_options(args)["decode_step"] == "eager"
+
+
+def test_eager_is_the_api_default_and_builds_nothing(monkeypatch):
+    monkeypatch.setattr(fd, "load_extension", lambda: pytest.fail("nothing should be built"))
+    engine = _engine("eager")
+    assert EngineConfig().decode_step == "eager"
+    assert engine.runner.fused.state == "eager"
+
+
+def test_models_it_cannot_serve_decode_eagerly_with_the_reason_logged(monkeypatch, caplog):
+    monkeypatch.setattr(fd, "load_extension", lambda: pytest.fail("nothing should be built"))
+    caplog.set_level(logging.WARNING, logger="engine_proc.fused_decode")
+    dense = LLMEngine(EngineConfig(num_kv_blocks=64, decode_step="fused"),
+                      checkpoint=snapped_checkpoint())  # fmt: skip
+    assert dense.runner.fused.state == "eager"
+    assert "needs decode_weights='int4'" in caplog.text
+    caplog.clear()
+    int8 = _engine("fused", kv_cache_dtype="int8")
+    assert int8.runner.fused.state == "eager"
+    assert "needs a float32 model and KV cache" in caplog.text
+
+
+def test_a_failed_build_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fd, "load_extension", no_compiler)
+    caplog.set_level(logging.WARNING, logger="engine_proc.fused_decode")
+    engine = _engine("fused")
+    assert engine.runner.fused.state == "eager"
+    assert "no C++ compiler" in caplog.text and "decoding eagerly" in caplog.text
+    [out] = engine.generate([list(range(5, 12))], fd_params())
+    assert len(out.token_ids) == 4 and engine.runner.num_fused_steps == 0
+
+
+def fd_params():
+    from engine_proc import SamplingParams
+
+    return SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+# ---- compiled (slow: the first build takes about a minute on 2 cores) ----------------------
+
+
+@pytest.fixture(scope="module")
+def extension():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("needs a C++ compiler (c++ or g++ on PATH); the engine decodes eagerly")
+    return fd.load_extension()
+
+
+def _kernels(module) -> list[str]:
+    """Our 4-bit kernels this build has: the portable one always, AVX512-BF16 where compiled."""
+    return ["portable", "avx512_bf16"] if module.has_avx512_bf16() else ["portable"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+def test_our_int4_kernels_are_the_bf16_activation_product(extension, rows):
+    assert fd.torch_int4_layout_is_known()
+    weight, _ = q4_1_matrix(192, 96, seed=rows)  # lossless 4-bit weights: 3 blocks of 64
+    packed = quantize_int4(weight)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    for kernel in _kernels(extension):
+        got = extension.int4_mm(
+            x.bfloat16(), packed.packed, packed.scales_zeros, fd.INT4_KERNELS.index(kernel)
+        )
+        assert got.dtype == torch.bfloat16
+        assert_bf16_product(got.float(), x, weight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("native", [False, True])
+def test_the_bf16_head_is_the_rounded_float64_product(extension, native):
+    gen = torch.Generator().manual_seed(2)
+    head = torch.randn(320, 64, generator=gen).bfloat16()
+    hidden = torch.randn(5, 64, generator=gen)
+    got = extension.bf16_logits(hidden, head, native).double()
+    x64, w64 = bf16_round(hidden.double()), head.double()
+    exact = x64 @ w64.t()
+    assert torch.equal(got, bf16_round(got))  # bfloat16 values
+    # float32 sums of exact products: at most one bf16 step from the rounded exact sum
+    tol = bf16_ulp(exact) + 66 * 2**-24 * (x64.abs() @ w64.abs().t())
+    assert_within(got, bf16_round(exact), tol)
+
+
+@pytest.mark.slow
+def test_fused_greedy_decoding_follows_the_float64_reference(extension, native_bf16):
+    engine = _engine("fused")
+    assert engine.runner.fused.state == "fused"
+    check_greedy_decoding_against_reference(engine, native_bf16)
+    # every decode step (8 - 1 per batch) ran fused; the prefills ran eagerly
+    assert engine.runner.num_fused_steps == 2 * 7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunks", [2, 5])
+def test_attention_split_into_chunks_decodes_like_the_reference(extension, chunks):
+    """Long contexts are attended in chunks of blocks on several threads and merged: forced here
+    on short ones (5 chunks: more than some sequences have blocks, so some chunks are empty)."""
+    engine = _engine("fused")
+    step = fd.FusedDecodeStep.create(engine.model, extension, attention_chunks=chunks)
+    engine.runner.fused.step = step
+    check_greedy_decoding_against_reference(engine, engine.model.native_bf16)
+    assert engine.runner.num_fused_steps == 2 * 7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", fd.INT4_KERNELS)
+def test_every_int4_kernel_decodes_like_the_reference(extension, kernel):
+    if kernel not in ("torch", *_kernels(extension)):  # not compiled in: that CPU lacks it
+        kernel = "torch"
+    engine = _engine("fused")
+    engine.runner.fused.step = fd.FusedDecodeStep.create(engine.model, extension, kernel)
+    check_greedy_decoding_against_reference(engine, engine.model.native_bf16)
+    assert engine.runner.num_fused_steps == 2 * 7
+
+
+@pytest.mark.slow
+def test_auto_loads_a_cached_build_or_builds_in_the_background(extension, monkeypatch):
+    assert fd.is_built()  # the fixture's build, in this suite's cache dir
+    assert _engine("auto").runner.fused.state == "fused"
+    monkeypatch.setattr(fd, "is_built", lambda: False)  # as on a first start
+    engine = _engine("auto")
+    assert engine.runner.fused.state == "building"
+    pending = engine.runner.fused._pending
+    assert pending is not None
+    pending.result(timeout=600)  # the background thread finds the module already loaded
+    [out] = engine.generate([list(range(5, 12))], fd_params())
+    assert engine.runner.fused.state == "fused" and len(out.token_ids) == 4
+    assert engine.runner.num_fused_steps == 3
+
+
+@pytest.mark.slow
+def test_an_8bit_valued_head_is_held_exactly_and_multiplied_in_float32(extension):
+    weight = q8_matrix(64, 96, seed=1)
+    codes, scales = extension.q8_pack(weight)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float32
+    # the layout, [N / 16, K, 16] codes and [N / 16, K / 32, 16] scales, gives the weight back
+    back = codes.float() * scales.repeat_interleave(32, dim=1)
+    assert torch.equal(back.transpose(1, 2).reshape(64, 96), weight)
+    assert extension.q8_pack(bf16_round(torch.randn(64, 96))) == []  # not 8-bit: not used
+    hidden = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
+    got = extension.q8_logits(hidden, codes, scales).double()
+    exact = hidden.double() @ weight.double().t()
+    assert_within(got, exact, 98 * 2**-24 * (hidden.double().abs() @ weight.double().abs().t()))
+
+
+@pytest.mark.slow
+def test_fused_decoding_with_an_8bit_head_follows_the_float64_reference(extension):
+    ck = q8_head_checkpoint()
+    engine = _engine("fused", checkpoint=ck)
+    assert fd.use_head_kernel(engine.model, extension) == "q8"
+    assert fd.use_head_kernel(_engine("fused").model, extension) == "bf16"
+    # float32 products on the exact weights: the reference's unrounded head, for every row
+    check_greedy_decoding_against_reference(engine, engine.model.native_bf16, ck, 0)
