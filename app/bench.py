@@ -315,8 +315,13 @@ def all_failed(runs: dict[str, dict[str, list[dict]]]) -> int:
 def _streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
     weights = sorted({s["decode_weights"] for w, by in summary.items() if w.startswith("streams-")
                       for s in by.values() if s.get("decode_weights")})
+    steps = {s.get("decode_step") for w, by in summary.items() if w.startswith("streams-")
+             for s in by.values()}  # fmt: skip
     used = "/".join(weights) if weights else "not measured"
-    if "int4" in weights:  # engine_proc/models/int4.py MAX_ROWS
+    if "int4" in weights and "fused" in steps:  # engine_proc/fused_decode.py
+        used += (" with the fused C++ decode step (every decode step, 16 rows per call; "
+                 "prompts run the dense weights)")
+    elif "int4" in weights:  # engine_proc/models/int4.py MAX_ROWS
         used += (" (4-bit products in steps of at most 16 tokens; larger steps, such as the "
                  "64-stream decode, run the dense weights)")
     return (f"streams: N concurrent greedy streams, all at t=0, {sizes.streams_len}-token "

@@ -139,6 +139,9 @@ def summarize_workload(name: str, runs: list[dict], workload: dict) -> dict:
         weights = {(r.get("model_info") or {}).get("decode_weights") for r in ok} - {None}
         if weights:
             s["decode_weights"] = ",".join(sorted(weights))
+        steps = {r.get("decode_step") for r in ok} - {None}
+        if steps:
+            s["decode_step"] = ",".join(sorted(steps))
     s.update(summarize_kv(name, ok, workload))
     kv = [r["kv"] for r in ok if r.get("kv") and r["kv"].get("paged_token_occupancy")]
     block = (ok[0].get("engine_config") or {}).get("block_size")

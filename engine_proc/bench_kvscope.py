@@ -247,6 +247,9 @@ def _measure(engine: Any, reqs: list, load_s: float,
             "engine_config": engine.live_config()
             | {"num_kv_blocks": engine.num_blocks, "block_size": engine.block_size},
             "model_info": engine.model_info(),
+            # fused | building | eager (engine_proc/fused_decode.py), and the steps it ran
+            "decode_step": engine.runner.fused.state,
+            "fused_steps": engine.runner.num_fused_steps,
             "requests": request_results(reqs, t0),
         }
     )

@@ -174,6 +174,27 @@ def test_attention_split_into_chunks_decodes_like_the_reference(extension, chunk
 
 
 @pytest.mark.slow
+def test_a_step_wider_than_one_call_runs_as_several(extension, monkeypatch):
+    """Rows are independent: a 3-row decode step as calls of 2 + 1 rows decodes like the
+    reference (each call writes its rows' K/V and reads only their own blocks)."""
+    monkeypatch.setattr(fd, "ROWS_PER_CALL", 2)
+    engine = _engine("fused")
+    step = engine.runner.fused.step
+    assert step is not None
+    calls: list[int] = []
+
+    class CountingDecoder:
+        def forward(self, input_ids, *args):
+            calls.append(len(input_ids))
+            return decoder.forward(input_ids, *args)
+
+    decoder, step.decoder = step.decoder, CountingDecoder()
+    check_greedy_decoding_against_reference(engine, engine.model.native_bf16)
+    assert engine.runner.num_fused_steps == 2 * 7
+    assert sorted(set(calls)) == [1, 2] and max(calls) == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", fd.INT4_KERNELS)
 def test_every_int4_kernel_decodes_like_the_reference(extension, kernel):
     if kernel not in ("torch", *_kernels(extension)):  # not compiled in: that CPU lacks it
