@@ -81,13 +81,14 @@ def worker_command(system: str, workload_path: Path | None, args: argparse.Names
         common += ["--workload", absolute(workload_path)]
     if args.model:
         common += ["--model", absolute(args.model)]
+    if system in DISAGG_SYSTEMS or system in CLIENT_SYSTEMS:
+        spawned = ["--timeout", str(max(1.0, timeout - 30.0)),
+                   "--decode-weights", args.engine_decode_weights]
     if system in DISAGG_SYSTEMS:  # spawns its engines (one, or a prefill and a decode one)
-        return [sys.executable, "-m", "app.bench_disagg", *common,
-                "--timeout", str(max(1.0, timeout - 30.0))]
+        return [sys.executable, "-m", "app.bench_disagg", *common, *spawned]
     if system in CLIENT_SYSTEMS:
         # Engine start-up (the model load) is outside the measurement but inside `timeout`.
-        return [sys.executable, "-m", "app.bench_clients", *common,
-                "--timeout", str(max(1.0, timeout - 30.0))]
+        return [sys.executable, "-m", "app.bench_clients", *common, *spawned]
     cmd = [sys.executable, "-m", "engine_proc.bench_worker", *common,
            "--hf-batch", str(args.hf_batch)]
     if args.quick:
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disaggregation", action="store_true",
                     help="also run interference and mixed on one colocated engine vs a prefill "
                     "and a decode engine (the cores split between them), same client")
+    ap.add_argument("--engine-decode-weights", default="dense", choices=("dense", "int4", "auto"),
+                    help="decode weights of the engine processes the kvscope-zmq/-http and "
+                    "disaggregation runs spawn (auto: the app's CPU default, 4-bit weights and "
+                    "the fused decode step)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)

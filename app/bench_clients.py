@@ -286,7 +286,8 @@ def engine_options(workload: dict, args: argparse.Namespace) -> EngineOptions:
             raise ValueError(f"workload.engine.{key}: allowed keys are {sorted(ENGINE_FLAGS)}")
         extra += [ENGINE_FLAGS[key], str(value)]
     return EngineOptions(model=args.model, dtype=args.dtype, device=args.device,
-                         num_kv_blocks=args.kv_blocks or need + 64, decode_weights="dense",
+                         num_kv_blocks=args.kv_blocks or need + 64,
+                         decode_weights=args.decode_weights,
                          num_threads=args.threads, extra_args=extra)
 
 
@@ -374,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="the engine's torch threads")
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="KV pool size (default: every request at full length fits)")
+    ap.add_argument("--decode-weights", default="dense", choices=("dense", "int4", "auto"),
+                    help="the engine's decode weights (auto: 4-bit and the fused decode step)")
     ap.add_argument("--engine-args", default="", help="more `engine_proc serve` options (tests: "
                     "'--engine-factory tests.ipc.engines:tiny')")
     ap.add_argument("--timeout", type=float, default=1800.0,

@@ -20,7 +20,15 @@ from types import SimpleNamespace
 import pytest
 
 from app.bench import worker_command
-from app.bench_clients import CLIENT_SYSTEMS, Stream, parse_streams, request_results, summarize
+from app.bench_clients import (
+    CLIENT_SYSTEMS,
+    Stream,
+    engine_options,
+    parse_streams,
+    request_results,
+    summarize,
+)
+from app.bench_clients import build_parser as clients_parser
 from app.bench_stats import summarize_workload
 from app.bench_table import build_rows
 from app.bench_workloads import QUICK, Vocab, make_workload
@@ -146,10 +154,13 @@ def test_parse_streams_refuses_event_triggered_requests() -> None:
 
 def test_the_driver_runs_front_end_systems_in_app_bench_clients(tmp_path: Path) -> None:
     args = SimpleNamespace(dtype="float32", threads=1, model=None, hf_batch=8, quick=True,
-                           cache_dir=None)
+                           cache_dir=None, engine_decode_weights="auto")
     wl = tmp_path / "streaming.json"
     for system in CLIENT_SYSTEMS:
         cmd = worker_command(system, wl, args, timeout=600.0)
         assert cmd[1:3] == ["-m", "app.bench_clients"] and system in cmd and str(wl) in cmd
         assert cmd[cmd.index("--threads") + 1] == "1"
+        assert cmd[cmd.index("--decode-weights") + 1] == "auto"  # the engine it spawns
+        parsed = clients_parser().parse_args(cmd[3:])
+        assert engine_options({"requests": []}, parsed).decode_weights == "auto"
     assert worker_command("kvscope", wl, args, 600.0)[1:3] == ["-m", "engine_proc.bench_worker"]
