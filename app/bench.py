@@ -324,7 +324,7 @@ def _streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
              for s in by.values()}  # fmt: skip
     used = "/".join(weights) if weights else "not measured"
     if "int4" in weights and "fused" in steps:  # engine_proc/fused_decode.py
-        used += (" with the fused C++ decode step (every decode step, 16 rows per call; "
+        used += (" with the fused C++ decode step (every decode step, up to 64 rows per call; "
                  "prompts run the dense weights)")
     elif "int4" in weights:  # engine_proc/models/int4.py MAX_ROWS
         used += (" (4-bit products in steps of at most 16 tokens; larger steps, such as the "

@@ -123,7 +123,7 @@ def _kernels(module) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16])  # 7: a pass of four rows, then 2 + 1
 def test_our_int4_kernels_are_the_bf16_activation_product(extension, rows):
     assert fd.torch_int4_layout_is_known()
     weight, _ = q4_1_matrix(192, 96, seed=rows)  # lossless 4-bit weights: 3 blocks of 64
@@ -229,10 +229,14 @@ def test_an_8bit_valued_head_is_held_exactly_and_multiplied_in_float32(extension
     back = codes.float() * scales.repeat_interleave(32, dim=1)
     assert torch.equal(back.transpose(1, 2).reshape(64, 96), weight)
     assert extension.q8_pack(bf16_round(torch.randn(64, 96))) == []  # not 8-bit: not used
-    hidden = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
+    hidden = torch.randn(7, 96, generator=torch.Generator().manual_seed(3))
     got = extension.q8_logits(hidden, codes, scales).double()
     exact = hidden.double() @ weight.double().t()
     assert_within(got, exact, 98 * 2**-24 * (hidden.double().abs() @ weight.double().abs().t()))
+    # rows go four at a time, then one by one, in the same summation order: a row's logits do
+    # not depend on the rows beside it
+    alone = torch.cat([extension.q8_logits(hidden[i : i + 1], codes, scales) for i in range(7)])
+    assert torch.equal(alone.double(), got)
 
 
 @pytest.mark.slow

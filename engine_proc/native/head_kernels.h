@@ -131,6 +131,50 @@ void q8_block(const int8_t* c, const float* d, const float* x, int64_t k, float*
 #endif
 }
 
+// 16 outputs of R rows (x: R rows of K, out: R rows of stride `ld`): per row and group, 32
+// products summed in four interleaved float32 chains (so consecutive FMAs do not wait on each
+// other), then times the 16 group scales. Each converted weight vector feeds all R rows; a row's
+// sums are the same whatever R is (same chains, same order).
+template <int R>
+void q8_rows(const int8_t* c, const float* d, const float* x, int64_t k, float* out, int64_t ld) {
+  const int64_t groups = k / kGroupSize;
+#if defined(__AVX512F__)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) part[r][u] = _mm512_setzero_ps();
+    for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; i += 4) {
+      for (int u = 0; u < 4; ++u) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (i + u) * 16));
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        for (int r = 0; r < R; ++r)
+          part[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i + u]), w, part[r][u]);
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(d + g * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
+                                       _mm512_add_ps(part[r][2], part[r][3]));
+      acc[r] = _mm512_fmadd_ps(scale, sum, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc[16] = {0};
+    for (int64_t g = 0; g < groups; ++g) {
+      float part[16] = {0};
+      for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; ++i)
+        for (int j = 0; j < 16; ++j) part[j] += x[r * k + i] * static_cast<float>(c[i * 16 + j]);
+      for (int j = 0; j < 16; ++j) acc[j] += d[g * 16 + j] * part[j];
+    }
+    std::copy(acc, acc + 16, out + r * ld);
+  }
+#endif
+}
+
 // Logits [rows, N] float32 = hidden [rows, K] (float32) x the exact 8-bit weight: float32
 // products and sums, as the dense float32 model computes them (in another order).
 at::Tensor q8_logits(const at::Tensor& hidden, const at::Tensor& codes, const at::Tensor& scales) {
@@ -144,9 +188,14 @@ at::Tensor q8_logits(const at::Tensor& hidden, const at::Tensor& codes, const at
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t r = 0; r < rows; ++r)
-        q8_block(cp + b * k * 16, sp + b * groups * 16, xp + r * k, k, op + r * blocks * 16 + b * 16);
+    const int64_t ld = blocks * 16;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int8_t* c = cp + b * k * 16;
+      const float* d = sp + b * groups * 16;
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) q8_rows<4>(c, d, xp + r * k, k, op + r * ld + b * 16, ld);
+      for (; r < rows; ++r) q8_block(c, d, xp + r * k, k, op + r * ld + b * 16);  // = q8_rows<1>
+    }
   });
   return out;
 }

@@ -137,6 +137,71 @@ void int4_block_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const fl
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + block * 64 + 16 * i),
                           (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
 }
+
+// Half h of a 64-column block, columns 16h..16h+15 (low nibbles of bytes 16h..16h+15) and
+// 32+16h..32+16h+15 (their high nibbles), for R rows: per pair of inputs (k, k+1) the 32
+// columns' codes become two registers of 16 columns x 2 bfloat16 values 1 + c / 16 (exact),
+// multiplied with each row's broadcast activation pair by dpbf16ps into D' = X + sum(c x) / 16
+// per group. A group then adds scale * sum((c - 8) x) + zero * X = 16 scale * D' +
+// (zero - 24 scale) * X in float32. Halves rather than whole blocks leave registers for four
+// rows, so each decoded code register feeds four products instead of two (decoding the codes
+// was this kernel's bottleneck at 16 rows).
+template <int R>
+void int4_half_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const float* xsum,
+                      int64_t k, int64_t n, int64_t block, int h, bf16* out) {
+  const int64_t groups = k / kGroupSize;
+  const int64_t col[2] = {block * 64 + 16 * h, block * 64 + 32 + 16 * h};
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint8_t* wb = w + block * k * 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 d[R][2];
+    for (int r = 0; r < R; ++r) d[r][0] = d[r][1] = _mm512_setzero_ps();
+    for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
+      // 32-bit lane j: byte 16h + j of input kk in bits 0..7, of input kk + 1 in bits 16..23
+      const __m512i both = pair_bytes(wb + kk * 32, h);
+      const __m512i lo = codes_as_bf16(_mm512_slli_epi32(both, 3));
+      const __m512i hi = codes_as_bf16(_mm512_srli_epi32(both, 1));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * k + kk, sizeof(pair));
+        const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
+        d[r][0] = _mm512_dpbf16_ps(d[r][0], (__m512bh)lo, xp);
+        d[r][1] = _mm512_dpbf16_ps(d[r][1], (__m512bh)hi, xp);
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      const __m512i pairs = _mm512_loadu_si512(sz + (g * n + col[i]) * 2);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+      const __m512 scale16 = _mm512_mul_ps(scale, _mm512_set1_ps(16.f));
+      const __m512 offset = _mm512_fmadd_ps(scale, _mm512_set1_ps(-24.f), zero);
+      for (int r = 0; r < R; ++r) {
+        acc[r][i] = _mm512_fmadd_ps(scale16, d[r][i], acc[r][i]);
+        acc[r][i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2; ++i)  // round to bfloat16 as torch's kernel does
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + col[i]),
+                          (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+}
+
+// One 64-column block for every row: rows in fours by halves, then the rest (at most three)
+// by whole blocks in pairs, which decode each code register once for both halves' rows.
+void int4_rows_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const float* xsum,
+                      int64_t rows, int64_t k, int64_t n, int64_t block, bf16* out) {
+  const int64_t groups = k / kGroupSize;
+  const int64_t fours = rows / 4 * 4;
+  for (int h = 0; h < 2; ++h)
+    for (int64_t r = 0; r < fours; r += 4)
+      int4_half_avx512<4>(w, sz, x + r * k, xsum + r * groups, k, n, block, h, out + r * n);
+  int64_t r = fours;
+  for (; r + 2 <= rows; r += 2)
+    int4_block_avx512<2>(w, sz, x + r * k, xsum + r * groups, k, n, block, out + r * n);
+  if (r < rows) int4_block_avx512<1>(w, sz, x + r * k, xsum + r * groups, k, n, block, out + r * n);
+}
 #endif
 
 at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
@@ -150,16 +215,11 @@ at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const a
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const std::vector<float> xsum = group_sums(xp, rows, k);
-  const int64_t groups = k / kGroupSize;
   at::parallel_for(0, n / 64, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #if KVSCOPE_HAVE_AVX512_BF16
       if (kernel == kAvx512Bf16) {
-        int64_t r = 0;
-        for (; r + 2 <= rows; r += 2)
-          int4_block_avx512<2>(w, s, xp + r * k, xsum.data() + r * groups, k, n, b, op + r * n);
-        if (r < rows)
-          int4_block_avx512<1>(w, s, xp + r * k, xsum.data() + r * groups, k, n, b, op + r * n);
+        int4_rows_avx512(w, s, xp, xsum.data(), rows, k, n, b, op);
         continue;
       }
 #endif
