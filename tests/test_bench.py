@@ -187,6 +187,7 @@ def test_rows_compute_ratios_and_verdicts() -> None:
     assert r.baseline == pytest.approx(20.0) and r.ratio == pytest.approx(1.5) and r.passed
     r = rows[("ceilings", "best tok/s (mixed) / (FLOP/s / 2P)")]
     assert r.value == 300.0 and r.baseline == pytest.approx(200.0)
+    assert not any(section == "streams-64" for section, _ in rows)  # not run
     r = rows[("prefill", "prefill tok/s")]
     assert r.ratio == pytest.approx(0.9) and r.passed is False
     assert rows[("mixed", "output tok/s")].ratio == pytest.approx(2.5)
@@ -204,6 +205,16 @@ def test_rows_compute_ratios_and_verdicts() -> None:
     assert (r.value, r.ratio, r.passed) == (5.0, None, None)
     table = format_table(list(rows.values()))
     assert "3.00x" in table and "MISS" in table and "PASS" in table
+    # 64 streams against the better of the two matmul ceilings (here fp32: 40e9 / 2e8 = 200)
+    summary["streams-64"] = {"kvscope": {"decode_tok_s": 90.0}}
+    ceilings["bf16_matmul_gflops"] = 30.0
+    rows = {(r.section, r.metric): r for r in build_rows(summary, ceilings)}
+    r = rows[("streams-64", "decode tok/s / (best FLOP/s / 2P)")]
+    assert r.baseline == pytest.approx(200.0) and r.ratio == pytest.approx(0.45) and not r.passed
+    ceilings["bf16_matmul_gflops"] = 30.0
+    summary["streams-64"]["kvscope"]["decode_tok_s"] = 100.0
+    r = {(r.section, r.metric): r for r in build_rows(summary, ceilings)}[r.section, r.metric]
+    assert r.ratio == pytest.approx(0.5) and r.passed is True
 
 
 def test_streaming_rows_compare_http_with_zeromq() -> None:
