@@ -95,6 +95,7 @@ def load_extension() -> ModuleType:
 
         directory = build_dir(key)
         directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock(directory)
         t0 = time.perf_counter()
         module = cpp_extension.load(
             name=f"kvscope_fused_decode_{key}",
@@ -107,6 +108,25 @@ def load_extension() -> ModuleType:
         logger.info("fused decode step loaded in %.1f s (%s)", time.perf_counter() - t0, directory)
         _loaded[key] = module
         return module
+
+
+STALE_LOCK_SECONDS = 600.0  # a build takes about a minute; an older lock is a killed build's
+
+
+def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """torch's cpp_extension waits for its `lock` file to go away before building, forever: a
+    build killed midway (an engine stopped while building) would leave every later start
+    waiting. A lock older than any build can take is removed (True when one was)."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 # 4-bit product kernels (the C++ Int4Kernel enum, in order): torch's own; ours, reading torch's

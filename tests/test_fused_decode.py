@@ -101,6 +101,17 @@ def test_a_failed_build_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
     assert len(out.token_ids) == 4 and engine.runner.num_fused_steps == 0
 
 
+def test_a_killed_builds_lock_is_removed_once_stale_and_a_live_one_is_kept(tmp_path):
+    assert not fd.remove_stale_lock(tmp_path)  # no lock
+    lock = tmp_path / "lock"
+    lock.touch()
+    mtime = lock.stat().st_mtime
+    assert not fd.remove_stale_lock(tmp_path, now=mtime + 60)  # a build in progress
+    assert lock.exists()
+    assert fd.remove_stale_lock(tmp_path, now=mtime + fd.STALE_LOCK_SECONDS + 1)
+    assert not lock.exists()
+
+
 def fd_params():
     from engine_proc import SamplingParams
 
