@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,7 +61,14 @@ class TransferStats:
 
 
 class KVLeases:
-    """Prompt blocks held for a decode engine to pull, by lease id."""
+    """Prompt blocks held for a decode engine to pull, by lease id.
+
+    Two threads use it: the engine loop (hold, expire, collect: everything that touches the
+    block pool) and the transfer server's thread (payloads, take: reads of leased blocks, which
+    no one writes while the lease holds them). `lock` guards the lease table, and a read of a
+    lease's blocks holds it, so a lease cannot expire (and its blocks be reused) mid-read. A
+    lease ended by its pull leaves the table at once; its blocks go back to the pool at the
+    loop's next collect()."""
 
     def __init__(self, pool: BlockPool, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
         if not lease_seconds > 0:
@@ -69,6 +77,8 @@ class KVLeases:
         self.lease_seconds = lease_seconds
         self.leases: dict[str, Lease] = {}
         self.stats = TransferStats()
+        self.lock = threading.Lock()
+        self._taken: list[Lease] = []  # pulled, not yet back in the pool (collect() frees them)
 
     def hold(self, hashes: list[bytes], block_ids: list[int], now: float) -> Lease:
         assert len(hashes) == len(block_ids)
@@ -76,46 +86,82 @@ class KVLeases:
         for block in blocks:
             self.pool.touch(block)
         lease = Lease(secrets.token_hex(8), list(hashes), blocks, now + self.lease_seconds)
-        self.leases[lease.lease_id] = lease
-        self.stats.leases_granted += 1
+        with self.lock:
+            self.leases[lease.lease_id] = lease
+            self.stats.leases_granted += 1
         return lease
+
+    def holds(self, lease_id: str) -> bool:
+        with self.lock:
+            return lease_id in self.leases
 
     def payloads(
         self, lease_id: str, hashes: list[bytes], to_bytes: Callable[[int], bytes]
     ) -> list[bytes]:
         """The bytes of the asked blocks; KeyError naming what the lease does not hold."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            raise KeyError(f"lease {lease_id!r} is unknown, already pulled or expired")
-        by_hash = dict(zip(lease.block_hashes, lease.blocks, strict=True))
-        missing = [h for h in hashes if h not in by_hash]
-        if missing:
-            raise KeyError(f"lease {lease_id!r} holds no block {missing[0].hex()[:16]}")
-        out = [to_bytes(by_hash[h].block_id) for h in hashes]
-        self.stats.blocks_sent += len(out)
-        self.stats.bytes_sent += sum(len(p) for p in out)
+        with self.lock:
+            lease = self.leases.get(lease_id)
+            if lease is None:
+                raise KeyError(f"lease {lease_id!r} is unknown, already pulled or expired")
+            by_hash = dict(zip(lease.block_hashes, lease.blocks, strict=True))
+            missing = [h for h in hashes if h not in by_hash]
+            if missing:
+                raise KeyError(f"lease {lease_id!r} holds no block {missing[0].hex()[:16]}")
+            out = [to_bytes(by_hash[h].block_id) for h in hashes]
+            self.stats.blocks_sent += len(out)
+            self.stats.bytes_sent += sum(len(p) for p in out)
         return out
 
-    def release(self, lease_id: str, pulled: bool = True) -> bool:
-        lease = self.leases.pop(lease_id, None)
-        if lease is None:
-            return False
-        for block in reversed(lease.blocks):  # tail first: evicted first
-            self.pool.free(block)
-        if pulled:
+    def take(self, lease_id: str) -> bool:
+        """End a lease that was pulled (any thread); its blocks return at collect()."""
+        with self.lock:
+            lease = self.leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            self._taken.append(lease)
             self.stats.leases_pulled += 1
         return True
 
+    def collect(self) -> int:
+        """Engine loop: give the blocks of pulled leases back to the pool."""
+        with self.lock:
+            taken, self._taken = self._taken, []
+        for lease in taken:
+            self._free(lease)
+        return len(taken)
+
+    def release(self, lease_id: str, pulled: bool = True) -> bool:
+        """Engine loop: end a lease now."""
+        with self.lock:
+            lease = self.leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            if pulled:
+                self.stats.leases_pulled += 1
+        self._free(lease)
+        return True
+
+    def _free(self, lease: Lease) -> None:
+        for block in reversed(lease.blocks):  # tail first: evicted first
+            self.pool.free(block)
+
     def expire(self, now: float) -> int:
-        old = [lid for lid, lease in self.leases.items() if lease.expires <= now]
+        with self.lock:
+            old = [lid for lid, lease in self.leases.items() if lease.expires <= now]
+        n = 0
         for lid in old:
-            log.info("KV lease %s expired before a decode engine pulled it", lid)
-            self.release(lid, pulled=False)
-        self.stats.leases_expired += len(old)
-        return len(old)
+            if self.release(lid, pulled=False):  # not pulled meanwhile
+                log.info("KV lease %s expired before a decode engine pulled it", lid)
+                n += 1
+        with self.lock:
+            self.stats.leases_expired += n
+        return n
 
     def release_all(self) -> None:
-        for lid in list(self.leases):
+        self.collect()
+        with self.lock:
+            ids = list(self.leases)
+        for lid in ids:
             self.release(lid, pulled=False)
 
 

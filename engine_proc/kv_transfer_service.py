@@ -1,7 +1,9 @@
 """KV block transfer over ZeroMQ (ipc/kv_transfer.py has the wire format).
 
-`TransferServer` (prefill role) answers pulls from the engine's own loop thread: the leased
-blocks are read straight from the pool, so no other thread ever touches the KV tensors.
+`TransferServer` (prefill role) answers pulls on a thread of its own, so a pull never waits for
+the engine's step (on a CPU a prompt step takes seconds): it only reads leased blocks, which
+nothing writes while the lease holds them, under the lease table's lock (engine_proc/
+kv_transfer.py KVLeases); blocks of a pulled lease go back to the pool from the engine loop.
 `KVPuller` (decode role) pulls on a thread of its own, so running streams keep decoding while a
 prompt's blocks are on their way; the loop adopts the received bytes once a pull completes.
 """
@@ -41,6 +43,7 @@ class TransferServer:
         token: str | None,
         allow_remote: bool = False,
         fault: str = "",
+        wake: Callable[[], None] | None = None,  # the engine loop: a pulled lease to collect
     ) -> None:
         if fault not in FAULTS:
             raise ValueError(f"kv_transfer_fault must be one of {FAULTS}, got {fault!r}")
@@ -49,6 +52,7 @@ class TransferServer:
         self.identity = identity
         self.token = token
         self.fault = fault
+        self.wake = wake
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.MAXMSGSIZE, T.MAX_PULL_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.SNDHWM, TRANSFER_SNDHWM)
@@ -56,6 +60,26 @@ class TransferServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(endpoint)
         self.endpoint = E.connect_address(self.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Serve pulls on a thread (the socket is that thread's alone from now on)."""
+        self._thread = threading.Thread(target=self._run, name="kv-transfer-server", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if poller.poll(100):
+                    self.drain()
+            except zmq.ZMQError as exc:  # the context is closing
+                log.info("KV transfer server stops: %s", exc)
+                return
+            except Exception:  # an engine bug: the puller times out and recomputes
+                log.exception("KV transfer server failed to answer a pull")
 
     def drain(self, limit: int = 64) -> None:
         for _ in range(limit):
@@ -96,7 +120,7 @@ class TransferServer:
         try:
             payloads = self.transfer.payloads(msg.lease_id, list(msg.block_hashes))
         except KeyError as exc:
-            known = msg.lease_id in self.transfer.leases.leases
+            known = self.transfer.leases.holds(msg.lease_id)
             code = T.PULL_UNKNOWN_BLOCK if known else T.PULL_UNKNOWN_LEASE
             self._done(peer, msg.lease_id, 0, code, str(exc.args[0]))
             return
@@ -105,8 +129,8 @@ class TransferServer:
             if self.fault == "corrupt":
                 frames_out[1] = bytes([payload[0] ^ 0xFF]) + payload[1:]
             self.socket.send_multipart([peer, *frames_out], zmq.NOBLOCK)
-        if msg.release:
-            self.transfer.leases.release(msg.lease_id)
+        if msg.release and self.transfer.leases.take(msg.lease_id) and self.wake is not None:
+            self.wake()
         self._done(peer, msg.lease_id, len(payloads), T.PULL_OK, "")
 
     def _done(self, peer: bytes, lease_id: str, n: int, code: str, message: str) -> None:
@@ -116,6 +140,9 @@ class TransferServer:
         self.socket.send_multipart([peer, T.encode(done)], zmq.NOBLOCK)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
         self.socket.close(0)
 
 

@@ -174,9 +174,6 @@ class EngineServer(Controls, Publishing):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        transfer = self.disagg.socket() if self.disagg is not None else None
-        if transfer is not None:
-            poller.register(transfer, zmq.POLLIN)
         try:
             while self._stop_reason is None:
                 busy = self._busy()
@@ -185,7 +182,7 @@ class EngineServer(Controls, Publishing):
                 if self._wake_r.fileno() in ready:
                     self._drain_wake()
                 if self.disagg is not None:
-                    self._serve_transfers(transfer is not None and transfer in ready)
+                    self._admit_pulled()
                 if self.router in ready or busy:
                     self._drain_router()
                 if self._stop_reason is not None:
@@ -404,11 +401,10 @@ class EngineServer(Controls, Publishing):
             return False
         return True
 
-    def _serve_transfers(self, pulls_waiting: bool) -> None:
-        """Prefill role: answer pulls. Decode role: admit the requests whose pull ended."""
+    def _admit_pulled(self) -> None:
+        """Decode role: admit the requests whose pull ended (a prefill engine's pulls are
+        answered on the transfer server's own thread)."""
         assert self.disagg is not None
-        if pulls_waiting and self.disagg.server is not None:
-            self.disagg.server.drain()
         for rid, pending, result in self.disagg.completed():
             if rid not in self._inflight:
                 continue  # aborted while its blocks were on their way

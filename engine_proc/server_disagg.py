@@ -78,7 +78,8 @@ class Disaggregation:
         identity = engine.cache_identity
         if cfg.role == "prefill":
             self.server = TransferServer(ctx, cfg.transfer_endpoint, engine.transfer, identity,
-                                         token, allow_remote, cfg.fault)  # fmt: skip
+                                         token, allow_remote, cfg.fault, wake)  # fmt: skip
+            self.server.start()
         elif cfg.role == "decode":
             self.puller = KVPuller(ctx, identity, engine.transfer.block_bytes, token,
                                    cfg.transfer_timeout, wake)  # fmt: skip
@@ -86,9 +87,6 @@ class Disaggregation:
     @property
     def transfer_endpoint(self) -> str:
         return self.server.endpoint if self.server is not None else ""
-
-    def socket(self) -> zmq.Socket | None:
-        return None if self.server is None else self.server.socket
 
     def refusal(self, kv: P.KVTransferParams) -> str | None:
         """Why this engine cannot take a request with these kv_transfer params."""
@@ -155,7 +153,9 @@ class Disaggregation:
 
     def tick(self) -> None:
         if self.server is not None:
-            self.engine.transfer.leases.expire(self.engine.clock())
+            leases = self.engine.transfer.leases
+            leases.collect()  # pulled on the server's thread: their blocks back to the pool
+            leases.expire(self.engine.clock())
 
     def counters(self) -> dict[str, float]:
         return {

@@ -151,6 +151,34 @@ def test_leases_hold_blocks_until_pulled_or_expired():
     _assert_pool_idle(engine)
 
 
+def test_a_lease_pulled_on_the_servers_thread_returns_its_blocks_at_the_loops_collect():
+    """The transfer server answers pulls on its own thread: reading and ending a lease there
+    never touches the pool; the blocks go back when the engine loop collects, and an expiry
+    racing the pull neither frees them twice nor counts the lease as expired."""
+    import threading
+
+    engine = tiny_engine(num_kv_blocks=8)
+    first = _prefill(engine, "p", list(range(3, 3 + 48)), SamplingParams(max_tokens=1))
+    lease_id, hashes = first.kv_handoff
+    leases = engine.transfer.leases
+    got: list = []
+
+    def server_thread() -> None:
+        got.extend(engine.transfer.payloads(lease_id, hashes))
+        got.append(leases.take(lease_id))
+
+    t = threading.Thread(target=server_thread)
+    t.start()
+    t.join()
+    assert len(got) == 4 and got[-1] is True
+    assert not leases.holds(lease_id) and not leases.take(lease_id)  # ended once
+    assert sum(1 for b in engine.kv.pool.blocks if b.ref_count) == 3  # still held...
+    assert leases.expire(engine.clock() + 1e6) == 0  # ...not expired: it was pulled
+    assert leases.collect() == 1  # the loop frees them
+    assert leases.stats.leases_pulled == 1 and leases.stats.leases_expired == 0
+    _assert_pool_idle(engine)
+
+
 def test_aborting_a_handed_over_request_frees_its_held_blocks():
     prefill, decode = tiny_engine(), tiny_engine()
     prompt = list(range(3, 3 + 40))
