@@ -102,14 +102,20 @@ def test_router_output_equals_transformers_and_pulls_only_missing_blocks(referen
                                                              sampling=GREEDY))  # fmt: skip
             assert tokens == reference(prompts[0], 8)
             full = [len(q) // BS for q in prompts]  # 4, 5, 3 full prompt blocks
-            tel = await _counters(d, lambda t: t.counters.get("kv_transfer_pulls", 0) >= 3
-                                  and _idle(t))  # fmt: skip
+            def ended(t: P.Telemetry) -> float:
+                return t.counters.get("kv_transfer_pulls", 0) + t.counters.get(
+                    "kv_transfer_releases", 0)  # fmt: skip
+
+            tel = await _counters(d, lambda t: ended(t) >= 4 and _idle(t))
             c = tel.counters
-            # Concurrent pulls may each fetch the shared system blocks (none cached yet when
-            # they start), but never a block the pool held when its pull began, and the last
-            # request pulled nothing: received = adopted + duplicates of the shared three.
+            # Every lease ends once: pulled, or released when the pool already had every block.
+            # The first two prompts have blocks of their own and must pull; the third (the
+            # shared system blocks only) pulls unless another pull adopted them first; the last
+            # request pulls nothing. Concurrent pulls may each fetch the shared blocks, but
+            # never a block the pool held when the pull began.
+            assert ended(tel) == 4 and 2 <= c["kv_transfer_pulls"] <= 3
             assert sum(full) - 2 * 3 <= c["kv_transfer_blocks_received"] <= sum(full)
-            assert c["kv_transfer_pulls"] == 3 and c["kv_transfer_pull_failures"] == 0
+            assert c["kv_transfer_pull_failures"] == 0
             assert c["kv_transfer_blocks_already_cached"] >= full[0]  # the last request
             ptel = await _counters(p, lambda t: _idle(t)
                                    and t.counters["kv_transfer_leases_active"] == 0)
