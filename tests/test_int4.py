@@ -167,6 +167,26 @@ def _logits(engine, ids):
     return hidden, r.model.compute_logits(hidden)
 
 
+def _decode_logits(engine, ids):
+    """(final hidden states, logits) of a decode-shaped step: each id its own one-token
+    sequence (position 0), as many rows as ids."""
+    n, bs = len(ids), engine.block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n) * bs,  # one block each
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.ones(n, dtype=torch.int32),
+        block_tables=torch.arange(n, dtype=torch.int32)[:, None],
+        max_query_len=1,
+        max_seq_len=1,
+        query_lens_cpu=[1] * n,
+        seq_lens_cpu=[1] * n,
+    )
+    r = engine.runner
+    hidden = r.model.forward(torch.tensor(ids), torch.zeros(n, dtype=torch.long), r.kv_caches,
+                             meta, r.backend)  # fmt: skip
+    return hidden, r.model.compute_logits(hidden)
+
+
 def _sum_of_magnitudes(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """sum_i |h_i w_ji| for every logit j: the scale of a logit's rounding errors."""
     return hidden.double().abs() @ head.double().abs().t()
@@ -199,17 +219,20 @@ def test_prompt_products_stay_dense_and_decode_products_use_int4(native_bf16, mo
     assert int4.model_info()["decode_weights"] == "int4"
     head = ck.weights["lm_head.weight"]
 
-    prompt = list(range(3, 3 + MAX_ROWS + 8))  # more rows than MAX_ROWS: the dense path
+    prompt = list(range(3, 3 + MAX_ROWS + 8))  # a prompt: the dense path
     hidden, logits = _logits(int4, prompt)
     assert calls == []
     assert torch.equal(logits, _logits(dense, prompt)[1])  # the same float32 products
+    # ...however short: a prompt's first token is the dense model's
+    assert torch.equal(_logits(int4, prompt[:5])[0], _logits(dense, prompt[:5])[0])
+    assert calls == []
     # ...which are the model: float32 error (measured <= 22 * 2^-24 of the sum here), far below
     # what a wrong position, norm or layout would move.
     exact = llama_forward(ck.config, ck.weights, prompt)
     assert_within(logits, exact.logits, 2**-16 * _sum_of_magnitudes(hidden, head))
 
-    short = prompt[:5]  # 5 rows: every product on the 4-bit copies
-    hidden, logits = _logits(int4, short)
+    short = prompt[:5]  # 5 decode rows: every product on the 4-bit copies
+    hidden, logits = _decode_logits(int4, short)
     layers = int4.model.layers
     assert [x.shape[0] for x, _, _ in calls] == [len(short)] * 4 * len(layers)
     dense_weight = {}
@@ -266,7 +289,7 @@ def check_greedy_decoding_against_reference(
     batches = [
         # prefilled together (46 rows: dense products), then decoded 3 rows a step (4-bit)
         [list(range(5, 26)), list(range(40, 47)), [3] * 18],
-        # a short prompt alone: its prefill is 4-bit too; decode one row a step
+        # a short prompt alone: prefilled on the dense weights too; decode one row a step
         [list(range(60, 67))],
     ]
     for prompts in batches:
@@ -275,7 +298,7 @@ def check_greedy_decoding_against_reference(
         outs = [o.token_ids for o in int4.generate(prompts, params)]
         assert step_rows == [sum(map(len, prompts))] + [len(prompts)] * (params.max_tokens - 1)
         assert [len(s) for s in step_logits] == [len(prompts)] * params.max_tokens
-        prefill_int4 = step_rows[0] <= MAX_ROWS
+        prefill_int4 = False  # prompts always run the dense weights
         head_bf16 = len(prompts) <= bf16_head_rows
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             seq = prompt + out[:-1]

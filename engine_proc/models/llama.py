@@ -110,6 +110,10 @@ class LlamaLayer:
         self.gate_up_int4: Int4Weight | None = None
         self.down_int4: Int4Weight | None = None
 
+    def int4_copies(self) -> tuple[Int4Weight | None, ...]:
+        """qkv, o, gate_up and down 4-bit copies (None where there are none)."""
+        return self.qkv_int4, self.o_int4, self.gate_up_int4, self.down_int4
+
     def pack_int4(self) -> None:
         self.qkv_int4 = quantize_int4(self.qkv_weight)
         self.o_int4 = quantize_int4(self.o_weight)
@@ -276,9 +280,14 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
         qk_heads = cfg.num_heads + cfg.num_kv_heads
+        # 4-bit copies for decode steps only: a step with prompt tokens (however short) keeps
+        # the dense weights, so the prefill, which picks a reply's first token, is the dense
+        # model's (a short chat prompt alone once flipped it on the 4-bit weights).
+        decode_step = meta.max_query_len == 1
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            q4 = layer.int4_copies() if decode_step else (None, None, None, None)
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = self.linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_int4)
+            qkv = self.linear(x, layer.qkv_weight, layer.qkv_bias, q4[0])
             # One rotary pass over q and k together (they are adjacent columns of qkv).
             qk = qkv[:, : self.q_size + self.kv_size].view(-1, qk_heads, cfg.head_dim)
             qk = self.rotary.apply(qk, cos, sin)
@@ -286,10 +295,10 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
             backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
-            h = h + self.linear(attn.reshape(-1, self.q_size), layer.o_weight, None, layer.o_int4)
+            h = h + self.linear(attn.reshape(-1, self.q_size), layer.o_weight, None, q4[1])
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = self.linear(x, layer.gate_up_weight, None, layer.gate_up_int4).chunk(2, -1)
-            h = h + self.linear(F.silu(gate) * up, layer.down_weight, None, layer.down_int4)
+            gate, up = self.linear(x, layer.gate_up_weight, None, q4[2]).chunk(2, -1)
+            h = h + self.linear(F.silu(gate) * up, layer.down_weight, None, q4[3])
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
