@@ -132,7 +132,9 @@ def test_router_output_equals_transformers_and_pulls_only_missing_blocks(referen
 
 @pytest.mark.parametrize("fault", ["drop", "corrupt"])
 def test_a_failed_transfer_is_recomputed_on_the_decode_engine(fault, reference):
-    prefill = _engine("prefill", "--kv-transfer-fault", fault)
+    # A dropped pull's lease ends by expiry: a short one keeps the wait short.
+    lease = ["--kv-lease-seconds", "4"] if fault == "drop" else []
+    prefill = _engine("prefill", "--kv-transfer-fault", fault, *lease)
     decode = _engine("decode", "--kv-transfer-timeout", "1")
     try:
 
