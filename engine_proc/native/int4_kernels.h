@@ -88,6 +88,29 @@ inline __m512i codes_as_bf16(__m512i shifted) {
                                    _mm512_set1_epi32(0x3F803F80), kAndOr);
 }
 
+// A group's scale and zero for 16 columns from `col`: its sum((c - 8) x) scale + zero X is
+// 16 scale D' + (zero - 24 scale) X, D' = X + sum(c x) / 16 (what dpbf16ps accumulates).
+struct GroupScale {
+  __m512 scale16, offset;
+};
+
+inline GroupScale group_scale(const bf16* sz, int64_t g, int64_t n, int64_t col) {
+  const __m512i pairs = _mm512_loadu_si512(sz + (g * n + col) * 2);
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+  return {_mm512_mul_ps(scale, _mm512_set1_ps(16.f)),
+          _mm512_fmadd_ps(scale, _mm512_set1_ps(-24.f), zero)};
+}
+
+inline __m512 fold_group(const GroupScale& gs, __m512 d, float xsum, __m512 acc) {
+  acc = _mm512_fmadd_ps(gs.scale16, d, acc);
+  return _mm512_fmadd_ps(gs.offset, _mm512_set1_ps(xsum), acc);
+}
+
+inline void store_bf16(bf16* out, __m512 acc) {  // rounded to bfloat16 as torch's kernel does
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
 // One 64-column block for up to two rows: per pair of inputs (k, k+1), the 64 columns' codes
 // become four registers of 16 columns x 2 bfloat16 values 1 + c / 16 (exact), multiplied with
 // the broadcast activation pair by dpbf16ps into D' = X + sum(c x) / 16 per group. A group then
@@ -121,21 +144,12 @@ void int4_block_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const fl
       }
     }
     for (int i = 0; i < 4; ++i) {
-      const __m512i pairs = _mm512_loadu_si512(sz + (g * n + block * 64 + 16 * i) * 2);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
-      const __m512 scale16 = _mm512_mul_ps(scale, _mm512_set1_ps(16.f));
-      const __m512 offset = _mm512_fmadd_ps(scale, _mm512_set1_ps(-24.f), zero);
-      for (int r = 0; r < R; ++r) {
-        acc[r][i] = _mm512_fmadd_ps(scale16, d[r][i], acc[r][i]);
-        acc[r][i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), acc[r][i]);
-      }
+      const GroupScale gs = group_scale(sz, g, n, block * 64 + 16 * i);
+      for (int r = 0; r < R; ++r) acc[r][i] = fold_group(gs, d[r][i], xsum[r * groups + g], acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i)  // round to bfloat16 as torch's kernel does
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + block * 64 + 16 * i),
-                          (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+    for (int i = 0; i < 4; ++i) store_bf16(out + r * n + block * 64 + 16 * i, acc[r][i]);
 }
 
 // Half h of a 64-column block, columns 16h..16h+15 (low nibbles of bytes 16h..16h+15) and
@@ -171,21 +185,12 @@ void int4_half_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const flo
       }
     }
     for (int i = 0; i < 2; ++i) {
-      const __m512i pairs = _mm512_loadu_si512(sz + (g * n + col[i]) * 2);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
-      const __m512 scale16 = _mm512_mul_ps(scale, _mm512_set1_ps(16.f));
-      const __m512 offset = _mm512_fmadd_ps(scale, _mm512_set1_ps(-24.f), zero);
-      for (int r = 0; r < R; ++r) {
-        acc[r][i] = _mm512_fmadd_ps(scale16, d[r][i], acc[r][i]);
-        acc[r][i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), acc[r][i]);
-      }
+      const GroupScale gs = group_scale(sz, g, n, col[i]);
+      for (int r = 0; r < R; ++r) acc[r][i] = fold_group(gs, d[r][i], xsum[r * groups + g], acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 2; ++i)  // round to bfloat16 as torch's kernel does
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + col[i]),
-                          (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+    for (int i = 0; i < 2; ++i) store_bf16(out + r * n + col[i], acc[r][i]);
 }
 
 // One 64-column block for every row: rows in fours by halves, then the rest (at most three)
