@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -56,8 +57,17 @@ def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: 
         return "needs a float32 model and KV cache"
     if kv_cache.device.type != "cpu":
         return "runs on the CPU only"
+    return build_unavailable_reason()
+
+
+def build_unavailable_reason() -> str | None:
+    """What this machine lacks to compile the extension (None: it can try)."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "needs a C++ compiler (c++ or g++ on PATH)"
+    if shutil.which("ninja") is None:  # torch's cpp_extension builds with it
+        return "needs ninja on PATH (pip install ninja)"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "needs Python's C headers (Python.h, e.g. the python3-dev package)"
     return None
 
 
