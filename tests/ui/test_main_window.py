@@ -115,10 +115,21 @@ def test_block_map_in_use_then_cached(win, qtbot):
             bm.REQ0 <= idx[b] < bm.REQ0 + bm.NREQ or idx[b] == bm.SHARED
             for b in req.block_table)
 
-    qtbot.waitUntil(in_use_drawn, timeout=60_000)
-    # the conversation is selected, so its request is highlighted with its block table
-    assert win.block_map.highlight_rid == rid
-    assert "logical→physical" in win.block_map.block_table.toPlainText()
+    def running() -> bool:
+        f = win.block_map.frame
+        return bool(f) and any(r.request_id == rid and r.block_table for r in f.requests)
+
+    # Seen running once, the engine is paused so the request stays in flight while the map
+    # draws it (a fast machine finished it between two frames once).
+    qtbot.waitUntil(running, timeout=60_000)
+    win.link.control("pause")
+    try:
+        qtbot.waitUntil(in_use_drawn, timeout=60_000)
+        # the conversation is selected, so its request is highlighted with its block table
+        assert win.block_map.highlight_rid == rid
+        assert "logical→physical" in win.block_map.block_table.toPlainText()
+    finally:
+        win.link.control("resume")
     qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
     table, hashes = None, None
 
