@@ -28,26 +28,17 @@ struct Layer {
   Linear4 qkv, o, gate_up, down;
 };
 
-// RMSNorm of each row of h [rows, n] (float32), rounded to bfloat16 for the int4 kernel.
-void rms_norm_bf16(const float* h, const float* w, int64_t rows, int64_t n, float eps, bf16* out) {
+// RMSNorm of each row of h [rows, n] (float32), as Out: bfloat16 for the int4 kernel's
+// activations, float32 for the final norm.
+template <typename Out>
+void rms_norm(const float* h, const float* w, int64_t rows, int64_t n, float eps, Out* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = h + r * n;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) out[r * n + i] = bf16(x[i] * inv * w[i]);
-  }
-}
-
-void rms_norm_f32(const float* h, const float* w, int64_t rows, int64_t n, float eps, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = h + r * n;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) out[r * n + i] = x[i] * inv * w[i];
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = Out(x[i] * inv * w[i]);
   }
 }
 
@@ -103,18 +94,18 @@ class FusedDecoder {
     const int64_t kv_half = kv_cache.stride(1);
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
-      rms_norm_bf16(hp, L.input_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<bf16>());
+      rms_norm<bf16>(hp, L.input_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<bf16>());
       at::Tensor qkv = int4_mm(x, L.qkv);
       widen(qkv, L.qkv.bias, qkv_f);
       float* k_cache = kv_cache.data_ptr<float>() + li * layer_stride;
       attention(s, qkv_f, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
       add_bf16(hp, int4_mm(attn, L.o).data_ptr<bf16>(), rows * n);
-      rms_norm_bf16(hp, L.post_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<bf16>());
+      rms_norm<bf16>(hp, L.post_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<bf16>());
       at::Tensor gu = int4_mm(x, L.gate_up);
       add_bf16(hp, int4_mm(silu_mul(gu), L.down).data_ptr<bf16>(), rows * n);
     }
     at::Tensor out = at::empty_like(h);
-    rms_norm_f32(hp, final_norm.data_ptr<float>(), rows, n, eps_, out.data_ptr<float>());
+    rms_norm<float>(hp, final_norm.data_ptr<float>(), rows, n, eps_, out.data_ptr<float>());
     return out;
   }
 
