@@ -3,23 +3,29 @@ decode_weights="int4" against transformers' dense greedy replies (tests/conftest
 parity_references) on the parity prompts of tests/test_hf_parity.py, all eight at once, 48 tokens,
 under both bf16 arithmetics (the native_bf16 fixture).
 
-Measured on an AVX-512 bf16 CPU, the number of leading tokens of each reply equal to the dense
-reference (whose replies are 10, 8, 39, 48, 48, 11, 48 and 11 tokens long):
+The 4-bit copies hold the GGUF's own Q4_1 codes, so the int4 model is the dense model computed
+with bfloat16 activations (and bf16-rounded scales): its logits move by up to ~0.25, and a greedy
+reply follows the dense one until a position where the dense model's choice leads another token
+by less than that. Which near-tie flips first depends on the last bits of everything before it
+(the CPU's bf16 kernels, the prompt's chunking, whether its prefix was cached), so the leading
+agreement per prompt moves between runs; what holds everywhere is that a reply only ever leaves
+the dense one at such a near-tie. Measured on an AVX-512 bf16 CPU (the dense references are 10,
+8, 39, 48, 48, 11, 48 and 11 tokens long; leading tokens equal, and at a divergence the dense
+logit margin of its own token over the int4 reply's):
 
-- native bf16 (bf16 output projection for up to 16 rows): 10, 8, 39, 48, 30, 11, 48, 11:
-  7 of 8 replies identical, the other diverging after 30 tokens;
-- emulated bf16 (up to 2 rows): 10, 8, 39, 48, 30, 11, 48, 5: 6 of 8 identical.
+- batched, eager, native bf16: 2 (0.095), 8, 13 (0.196), 48, 19 (0.234), 11, 48, 11: 5 of 8
+  identical; emulated bf16: 10, 8, 39, 48, 30 (0.050), 8 (0.249), 48, 5 (0.069): 5 of 8;
+- batched, fused step: 2 (0.095), 8, 39, 48, 30 (0.050), 11, 48, 11: 6 of 8;
+- one at a time (as the app's chat sends them), fused: 10, 8, 39, 48, 30 (0.050), 11, 48, 11,
+  7 of 8; eager: 2 (0.095), ..., 30 (0.050), ...: 6 of 8.
 
-Sent one at a time instead (as the app's chat does; native bf16): 2, 8, 39, 48, 19, 11, 48, 11,
-6 of 8 identical (prompts run on the dense weights, so every first token is the dense model's;
-before that change, when a prompt of at most 16 tokens ran on the 4-bit copies: 2, 0, 39, 48,
-30, 11, 48, 2). The test holds the batched run to what was measured, with a margin for other
-CPUs' bf16 kernels: most replies identical, and none differing in its first few tokens.
+The dense model's own margins on these replies go down to 0.007 (prompt 5, token 44).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.models.int4 import int4_kernels_available
@@ -32,10 +38,9 @@ pytestmark = [
     ),
 ]
 
-MEASURED = {  # leading tokens equal to the dense reference, per parity prompt
-    True: [10, 8, 39, 48, 30, 11, 48, 11],
-    False: [10, 8, 39, 48, 30, 11, 48, 5],
-}
+# The largest logit error of the bf16-activation int4 path measured at a divergence was 0.234;
+# a wrong 4-bit product (a layout, scale or sign error) moves logits by whole units.
+NEAR_TIE = 0.35
 
 
 def _leading_agreement(ours: list[int], reference: list[int]) -> int:
@@ -45,8 +50,8 @@ def _leading_agreement(ours: list[int], reference: list[int]) -> int:
     return n
 
 
-def test_int4_replies_agree_with_the_dense_model_as_measured(
-    native_bf16, default_checkpoint, parity_references
+def test_int4_replies_leave_the_dense_model_only_at_near_ties(
+    native_bf16, default_checkpoint, parity_references, hf_default_model
 ) -> None:
     prompt_ids, references = parity_references
     engine = LLMEngine(
@@ -54,11 +59,18 @@ def test_int4_replies_agree_with_the_dense_model_as_measured(
     )
     assert engine.model_info()["decode_weights"] == "int4"
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=PARITY_TOKENS, temperature=0))
-    agreement = [
-        _leading_agreement(o.token_ids, r) for o, r in zip(outputs, references, strict=True)
-    ]
-    identical = sum(o.token_ids == r for o, r in zip(outputs, references, strict=True))
-    measured = MEASURED[native_bf16]
-    note = f"agreement {agreement}, measured on AVX-512 bf16: {measured}"
-    assert identical >= 5, note  # most replies token for token (measured: 7 and 6 of 8)
-    assert min(agreement) >= 4, note  # measured: at least 5 tokens
+    found: list[tuple[int, float | None]] = []
+    for prompt, out, ref in zip(prompt_ids, outputs, references, strict=True):
+        ours = out.token_ids
+        n = _leading_agreement(ours, ref)
+        if n == len(ref) == len(ours):
+            found.append((n, None))
+            continue
+        assert n < min(len(ref), len(ours)), (ours, ref)  # no reply stops early or runs on
+        with torch.no_grad():
+            logits = hf_default_model(torch.tensor([prompt + ref[:n]]), logits_to_keep=1).logits
+        found.append((n, float(logits[0, -1, ref[n]] - logits[0, -1, ours[n]])))
+    note = f"(leading tokens equal, dense margin at the divergence): {found}"
+    assert all(m is None or 0 <= m < NEAR_TIE for _, m in found), note
+    identical = sum(m is None for _, m in found)
+    assert identical >= 5, note  # measured: 5 to 7 of 8, by arithmetic and batching

@@ -158,3 +158,37 @@ def test_bfloat16_tracks_float32_through_prefill_and_decode(native_bf16):
     assert ((ours - ref).abs() <= tol).all(), float(((ours - ref).abs() / tol).max())
     for step, token in enumerate(out.token_ids):  # greedy: transformers' choice up to tol
         assert ref[step, token] + tol[step, token] >= (ref[step] - tol[step]).max(), step
+
+
+def test_float32_prompt_products_run_on_onednn_within_float32_rounding(monkeypatch):
+    from engine_proc.models import llama
+
+    if not llama.onednn_linear_available():
+        pytest.skip("this torch build has no oneDNN inner product")
+    calls: list[int] = []
+    real = llama.onednn_linear
+
+    def counting(x, weight, bias):
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(llama, "onednn_linear", counting)
+    linear = llama.Linear(torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 96, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    rows = llama.ONEDNN_MIN_ROWS
+    # A strided input too: the attention output reaches o_proj as a reshaped view.
+    for x in (torch.randn(rows, 96, generator=gen),
+              torch.randn(96, rows + 5, generator=gen).t()):  # fmt: skip
+        reference = x.double() @ weight.double().t() + bias.double()
+        out = linear(x, weight, bias)
+        assert out.dtype == torch.float32
+        # float32 sums of 96 products of ~N(0, 1) values: a few ulps of the sum's terms.
+        bound = 96 * 2**-23 * (x.double().abs() @ weight.double().abs().t())
+        assert ((out.double() - reference).abs() <= bound).all()
+    assert calls == [rows, rows + 5]
+    small = torch.randn(rows - 1, 96, generator=gen)  # decode-sized: torch's default BLAS
+    assert torch.equal(linear(small, weight, bias), torch.nn.functional.linear(small, weight, bias))
+    assert calls == [rows, rows + 5]
+    assert not llama.Linear(torch.device("cpu"), torch.bfloat16).onednn  # float32 only

@@ -149,13 +149,31 @@ def bf16_lm_head_rows(native_bf16: bool) -> int:
     return MAX_ROWS if native_bf16 else EMULATED_BF16_ROWS
 
 
+# From this many rows on, float32 CPU products run on oneDNN instead of torch's default BLAS
+# (MKL): measured on a 2-core AVX-512 EPYC, oneDNN is 1.15-1.6x faster for prompt-sized
+# products (MKL takes a slower path on non-Intel CPUs). Float32 either way, summed in another
+# order; below this, steps (decode) keep MKL, the same products as transformers.
+ONEDNN_MIN_ROWS = 32
+
+
+@functools.cache
+def onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias by oneDNN's inner product (torch's own op, as inductor emits it)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class Linear:
     """F.linear, except that
     - a product of at most ``MAX_ROWS`` rows uses the 4-bit copy of the weight when there is one;
     - without native bf16 (``native_bf16=False``; default: this CPU's flags) a bf16 product of
       more than ``EMULATED_BF16_ROWS`` rows (prefill, batched decode) runs in float32 on upcast
       weights: the upcast reads the weights once, which costs far less than the emulated bf16
-      GEMM would."""
+      GEMM would;
+    - a float32 CPU product of at least ``ONEDNN_MIN_ROWS`` rows runs on oneDNN."""
 
     def __init__(
         self, device: torch.device, dtype: torch.dtype, native_bf16: bool | None = None
@@ -163,6 +181,9 @@ class Linear:
         if native_bf16 is None:
             native_bf16 = cpu_has_native_bf16()
         self.upcast = dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16
+        self.onednn = (
+            dtype == torch.float32 and device.type == "cpu" and onednn_linear_available()
+        )
 
     def __call__(
         self,
@@ -177,6 +198,8 @@ class Linear:
         if self.upcast and x.shape[0] > EMULATED_BF16_ROWS:
             b = None if bias is None else bias.float()
             return F.linear(x.float(), weight.float(), b).to(x.dtype)
+        if self.onednn and x.shape[0] >= ONEDNN_MIN_ROWS:
+            return onednn_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
 
