@@ -177,10 +177,13 @@ def model_path(model: str | None) -> Path:
 
 def cache_key(path: Path, dtype: str, tag: str) -> str:
     """Directory name of a dequantized-weights cache entry: file, size, mtime, dtype and the
-    loader's own version (its mtime)."""
+    loader's own version (the newest mtime of the modules that turn a file into weights)."""
     st = path.stat()
-    import engine_proc.model_loader as ml
-
-    loader = Path(ml.__file__).stat().st_mtime_ns
+    here = Path(__file__).parent
+    loader = max(
+        (here / name).stat().st_mtime_ns
+        for name in ("model_loader.py", "model_loader_gguf.py", "model_loader_hf.py",
+                     "checkpoint.py", "gguf_file.py")
+    )  # fmt: skip
     raw = f"{tag}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{loader}"
     return f"{tag}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"

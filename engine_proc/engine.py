@@ -1,15 +1,17 @@
-"""LLMEngine: requests in, tokens out, one scheduler step at a time."""
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
+
+Its other concepts live beside it, as mixins over the state built here: tokenization
+(engine_tokens.py), step outputs (engine_outputs.py), live control and state (engine_control.py).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
-from typing import Any
 
 import torch
 
@@ -20,8 +22,10 @@ from engine_proc.attention.kv_quant import kv_bytes_per_token
 from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
 from engine_proc.config import EngineConfig
 from engine_proc.detokenizer import IncrementalDetokenizer
+from engine_proc.engine_control import LiveControl
+from engine_proc.engine_outputs import StepOutputs
+from engine_proc.engine_tokens import Prompt, Tokenization
 from engine_proc.kv_cache_manager import KVCacheManager, root_hash
-from engine_proc.kv_events import KVEvent, KVEventLog, full_replay
 from engine_proc.kv_tier_entry import BlockLayout
 from engine_proc.kv_tiers import KVTiers, model_fingerprint
 from engine_proc.kv_transfer import KVTransfer, KVTransferRequest
@@ -30,22 +34,19 @@ from engine_proc.model_loader import Checkpoint, load_checkpoint
 from engine_proc.model_runner import ModelRunner
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.llama import LlamaModel, int4_unsupported_reason
-from engine_proc.outputs import RequestMetrics, RequestOutput, TokenLogprobs
-from engine_proc.request import Sequence, SequenceStatus
-from engine_proc.sampler import RawLogprobs, compute_logprobs, sample
+from engine_proc.outputs import RequestMetrics, RequestOutput
+from engine_proc.request import Sequence
 from engine_proc.sampling_params import SamplingParams
-from engine_proc.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
-from engine_proc.telemetry import EngineStats, build_snapshot
-from engine_proc.telemetry_types import EngineSnapshot, StepStats, TokenEvent
+from engine_proc.scheduler import Scheduler, SchedulerLimits
+from engine_proc.telemetry import EngineStats
+from engine_proc.telemetry_types import StepStats
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int] | list[dict[str, str]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-class LLMEngine:
+class LLMEngine(Tokenization, StepOutputs, LiveControl):
     def __init__(
         self,
         config: EngineConfig,
@@ -257,66 +258,6 @@ class LLMEngine:
         # One sequence must always fit in the pool by itself, or it could preempt itself forever.
         return min(self.max_model_len, self.num_blocks * self.block_size)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            ids = self.tokenize_text(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.tokenize_chat(prompt)
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        else:
-            raise ValueError(
-                "prompt must be a non-empty string, a list of token ids, or a list of chat "
-                "messages {'role', 'content'}"
-            )
-        if not ids:
-            raise ValueError("prompt must not be empty (it has no tokens)")
-        return ids
-
-    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of plain text (with BOS, as a text prompt is tokenized, by default)."""
-        if not isinstance(text, str):
-            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return self.tokenizer.decode(token_ids)
-
-    def tokenize_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        """Token ids of a conversation under the model's chat template."""
-        for i, m in enumerate(messages):
-            if m.get("role") not in _CHAT_ROLES:
-                raise ValueError(
-                    f"messages[{i}].role must be one of {_CHAT_ROLES}, got {m.get('role')!r}"
-                )
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}].content must be a string")
-        if not messages:
-            raise ValueError("messages must not be empty")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                f"the model {self.checkpoint_name!r} has no chat template: send a plain prompt "
-                "(/v1/completions) instead of chat messages"
-            )
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         seqs = self.requests.get(request_id)
         if seqs is None:
@@ -377,134 +318,6 @@ class LLMEngine:
         )
         return outputs
 
-    def _sample_and_emit(
-        self, logits: torch.Tensor, sampling: list[Sequence]
-    ) -> list[RequestOutput]:
-        if not sampling:
-            return []
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for row, seq in enumerate(sampling):
-            family = [seq] + (self._fork(seq) if seq.num_forks > 1 else [])
-            rows.extend([row] * len(family))
-            seqs.extend(family)
-        if len(rows) != len(sampling):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        params = [s.params for s in seqs]
-        tokens = sample(
-            logits,
-            params,
-            [s.seed for s in seqs],
-            [s.num_output_tokens for s in seqs],
-            [s.token_ids for s in seqs],
-            [s.num_prompt_tokens for s in seqs],
-        )
-        logprobs = compute_logprobs(logits, [p.logprobs for p in params], tokens)
-        now = self.clock()
-        outputs = []
-        for seq, token, raw in zip(seqs, tokens, logprobs, strict=True):
-            seq.append_token(token, now)
-            self.stats.generation_tokens_total += 1
-            self.stats.token_events.append(
-                TokenEvent(seq.display_id, seq.num_output_tokens - 1, now)
-            )
-            hit_stop = seq.detokenizer.add_tokens([token])
-            reason = seq.check_stop(hit_stop)
-            if reason is not None:
-                handoff = None
-                if seq.lease_on_finish and reason == "length":
-                    handoff = self.transfer.lease(seq, now)
-                self.scheduler.remove(seq)
-                out = self._finish(seq, reason, None, new_token_ids=[token])
-                out.kv_handoff = handoff
-            else:
-                out = self._output(seq, [token], seq.detokenizer.take_delta(final=False))
-            if raw is not None:
-                out.new_logprobs = [self._token_logprobs(token, raw)]
-            outputs.append(out)
-        return outputs
-
-    def _token_logprobs(self, token: int, raw: RawLogprobs) -> TokenLogprobs:
-        decode = self.tokenizer.decode
-        top = [(t, decode([t]), lp) for t, lp in raw[1]]
-        return TokenLogprobs(token, decode([token]), raw[0], top)
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """The prompt is computed: split into n sequences sharing its blocks."""
-        children = []
-        for index in range(1, parent.num_forks):
-            child = Sequence(
-                request_id=parent.request_id,
-                index=index,
-                token_ids=list(parent.token_ids),
-                num_prompt_tokens=parent.num_prompt_tokens,
-                params=parent.params,
-                seed=_child_seed(parent.seed, index),
-                detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, parent.token_ids, parent.params.stop
-                ),
-                metrics=RequestMetrics(
-                    parent.metrics.arrival_time, parent.metrics.first_scheduled_time, None, None
-                ),
-                root_hash=parent.root_hash,
-                max_total_tokens=parent.max_total_tokens,
-                eos_token_ids=parent.eos_token_ids,
-                num_cached_tokens=parent.num_cached_tokens,
-            )
-            self.kv.fork(parent, child)
-            self.scheduler.add_forked(child)
-            self.requests[parent.request_id].append(child)
-            children.append(child)
-        parent.num_forks = 1
-        return children
-
-    def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
-        outputs = []
-        for seq in batch.seqs:
-            # Blocks hashed for this step never got their K/V: they must not be hit later.
-            first_unwritten = seq.num_computed_tokens // self.block_size
-            self.scheduler.remove(seq, keep_hashes_below=first_unwritten)
-            outputs.append(self._finish(seq, "error", message))
-        for request_id in {s.request_id for s in batch.seqs}:
-            for seq in self.requests.get(request_id, []):
-                if not seq.is_finished:
-                    self.scheduler.remove(seq)
-                    outputs.append(self._finish(seq, "error", message))
-        return outputs
-
-    def _finish(
-        self, seq: Sequence, reason: str, error: str | None, new_token_ids: list[int] | None = None
-    ) -> RequestOutput:
-        seq.status = SequenceStatus.FINISHED
-        seq.num_forks = 1  # a request that ends before its prompt is done never forks
-        self.transfer.release_held(seq)
-        seq.finish_reason = reason
-        seq.error = error
-        seq.metrics.finished_time = self.clock()
-        self.stats.num_requests_finished += 1
-        self.histograms.observe_finished(seq)
-        family = self.requests.get(seq.request_id, [])
-        if family and all(s.is_finished for s in family):
-            del self.requests[seq.request_id]
-        out = self._output(seq, new_token_ids or [], seq.detokenizer.take_delta(final=True))
-        out.finish_reason = reason
-        out.error = error
-        out.metrics = seq.metrics
-        return out
-
-    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            new_token_ids=new_ids,
-            text_delta=delta,
-            token_ids=seq.output_token_ids,
-            text=seq.detokenizer.text[: seq.detokenizer.emitted],
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=seq.metrics,  # token times of every output so far, for streaming clients
-        )
-
     # ----------------------------------------------------------------- batch API
     def generate(
         self,
@@ -534,135 +347,6 @@ class LLMEngine:
             pending = {r for r in pending if r in self.requests}
         order = {rid: i for i, rid in enumerate(ids)}
         return [final[key] for key in sorted(final, key=lambda k: (order[k[0]], k[1]))]
-
-    # ----------------------------------------------------------------- live control and state
-    def live_config(self) -> dict[str, int | bool]:
-        return dataclasses.asdict(self.scheduler.limits) | {
-            "enable_prefix_caching": self.kv.enable_caching
-        }
-
-    def set_limits(
-        self,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        long_prefill_chunk: int | None = None,
-    ) -> dict[str, int | bool]:
-        self.scheduler.set_limits(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_chunk=long_prefill_chunk,
-        )
-        return self.live_config()
-
-    def set_prefix_caching(self, enabled: bool) -> dict[str, int | bool]:
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, got {enabled!r}")
-        self.kv.pool.set_caching(enabled)
-        return self.live_config()
-
-    def enable_kv_events(self, log: KVEventLog | None = None) -> None:
-        """Record KV cache events (engine_proc/kv_events.py) of the pool and the lower tiers
-        into one log (a fresh one unless given) for drain_kv_events()."""
-        if self.kv.pool.events is None or log is not None:
-            log = log or KVEventLog()
-            self.kv.pool.events = log
-            if self.kv.tiers is not None:
-                self.kv.tiers.set_events(log)
-            log.queue_replay(self.kv_event_replay())  # whatever is already cached
-
-    def drain_kv_events(self) -> tuple[list[KVEvent], bool]:
-        """Events since the last call, and whether a replay had to replace lost ones."""
-        log = self.kv.pool.events
-        if log is None:
-            return [], False
-        events, overflowed = log.drain()
-        if overflowed:  # the log was not drained in time: describe the index from scratch
-            events = self.kv_event_replay()
-        return events, overflowed
-
-    def replay_kv_events(self) -> None:
-        """Queue a full replay, for subscribers that lost events."""
-        if self.kv.pool.events is not None:
-            self.kv.pool.events.queue_replay(self.kv_event_replay())
-
-    def kv_event_replay(self) -> list[KVEvent]:
-        """AllBlocksCleared for every medium, then every block of the pool and of each lower
-        tier, parents first (engine_proc/kv_events.full_replay)."""
-        stored = self.kv.pool.stored_events()
-        if self.kv.tiers is not None:
-            stored += self.kv.tiers.stored_events()
-        return full_replay(stored)
-
-    def reset_prefix_cache(self) -> bool:
-        dropped = self.kv.pool.reset_prefix_cache()
-        if self.kv.tiers is not None:  # the next request recomputes: lower tiers are emptied too
-            self.kv.tiers.clear()
-        logger.info("prefix cache reset: %d cached blocks dropped", dropped)
-        return True
-
-    def flush_kv_tiers(self) -> int:
-        """Write every cached pool block down into the lower KV tiers (write-back only stores
-        evicted blocks, so a prefix whose first blocks never left the pool would not survive a
-        restart); call before shutting down. Returns the number of blocks offered."""
-        tiers = self.kv.tiers
-        if tiers is None:
-            return 0
-        cached = [b for b in self.kv.pool.blocks if b.block_hash is not None]
-        for block in cached:
-            tiers.store(block.block_hash, block.block_id)
-        return len(cached)
-
-    def model_info(self) -> dict[str, Any]:
-        mc = self.model_config
-        tiers = self.kv.tiers
-        return {
-            "name": self.checkpoint_name,
-            "model_id": self.model_id,
-            "architecture": mc.architecture,
-            "num_layers": mc.num_layers,
-            "num_heads": mc.num_heads,
-            "num_kv_heads": mc.num_kv_heads,
-            "head_dim": mc.head_dim,
-            "vocab_size": mc.vocab_size,
-            "dtype": self.config.dtype,
-            "device": str(self.device),
-            "attention_backend": self.backend.name,
-            "decode_weights": self.decode_weights,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "cache_identity": self.cache_identity,
-            # lower KV tiers (engine_proc/kv_tiers.py): their capacity in bytes, 0 = no such tier
-            "kv_host_bytes": self.config.kv_host_memory if tiers and tiers.host else 0,
-            "kv_disk_bytes": tiers.disk.capacity_bytes if tiers and tiers.disk else 0,
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "kv_pool_bytes": self.num_blocks * self.block_bytes,
-            "max_model_len": self.max_model_len,
-            "cuda_graph_sizes": (
-                self.runner.decode_graphs.batch_sizes if self.runner.decode_graphs else []
-            ),
-        }
-
-    def all_sequences(self) -> list[Sequence]:
-        return [s for family in self.requests.values() for s in family if not s.is_finished]
-
-    def snapshot(self) -> EngineSnapshot:
-        snap = build_snapshot(
-            now=self.clock(),
-            stats=self.stats,
-            kv=self.kv,
-            seqs=self.all_sequences(),
-            num_waiting=len(self.scheduler.waiting),
-            block_bytes=self.block_bytes,
-            contiguous_bytes_per_request=self.max_model_len * self.kv_bytes_per_token,
-            live_config=self.live_config(),
-        )
-        if self.kv.tiers is not None:
-            snap.counters.update(self.kv.tiers.counters())
-        snap.counters.update(self.transfer.counters())
-        snap.histograms = self.histograms.by_name
-        snap.finished_reasons = dict(self.histograms.finished_reasons)
-        return snap
 
 
 def _resolve_decode_weights(choice: str, config: ModelConfig, device: torch.device) -> str:
@@ -695,8 +379,3 @@ def _resolve_device(device: str) -> torch.device:
         torch.cuda.set_device(dev)
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-def _child_seed(seed: int, index: int) -> int:
-    """Seed of sequence `index` of an n > 1 request; sequence 0 keeps the request's seed."""
-    return (seed + index * 0x9E3779B97F4A7C15) % 2**63

@@ -5,6 +5,11 @@ MessagePack maps. Decoding validates types, ranges and cross-field rules; anythi
 raises `msgspec.ValidationError` / `msgspec.DecodeError` (the server answers with an `error`).
 Pickle is never used. This module imports neither torch, Qt nor engine_proc: numpy only.
 
+This module holds the constants (version, topics, size limits, error codes), the unions and
+their codecs, and re-exports the structs, so `from ipc import protocol as P` reaches them all:
+`ipc/messages.py` (request/reply messages and their shared pieces), `ipc/telemetry.py` (the
+telemetry snapshot on PUB), `ipc/kv_events.py` (KV cache events on PUB).
+
 Sockets (docs/PROTOCOL.md has the full description):
 - client DEALER -> engine ROUTER: one frame per message, a `ClientMessage`.
 - engine ROUTER -> client DEALER: one frame per message, an `EngineMessage`.
@@ -13,12 +18,129 @@ Sockets (docs/PROTOCOL.md has the full description):
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, get_args
 
 import msgspec
-import numpy as np
 
 from ipc import kv_events as K
+from ipc.messages import (
+    SAMPLING_FIELDS,
+    Abort,
+    ChatMessage,
+    Control,
+    ControlAck,
+    ControlOp,
+    Delta,
+    Detokenize,
+    Error,
+    Finish,
+    FinishReason,
+    Generate,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    KVHandoff,
+    KVTransferParams,
+    LiveConfig,
+    ModelInfo,
+    RequestId,
+    SamplingOptions,
+    Tokenize,
+    Tokenized,
+    TokenLogprobs,
+    TopLogprob,
+    Usage,
+    Welcome,
+    sampling_to_dict,
+)
+from ipc.telemetry import (
+    BLOCK_DTYPES,
+    HISTOGRAM_NAMES,
+    BlockArrays,
+    Histogram,
+    RequestState,
+    StepStats,
+    Telemetry,
+    TokenEvent,
+)
+
+__all__ = [
+    # re-exported from ipc.messages
+    "Abort",
+    "ChatMessage",
+    "Control",
+    "ControlAck",
+    "ControlOp",
+    "Delta",
+    "Detokenize",
+    "Error",
+    "Finish",
+    "FinishReason",
+    "Generate",
+    "Goodbye",
+    "Heartbeat",
+    "Hello",
+    "KVHandoff",
+    "KVTransferParams",
+    "LiveConfig",
+    "ModelInfo",
+    "RequestId",
+    "SAMPLING_FIELDS",
+    "SamplingOptions",
+    "Tokenize",
+    "Tokenized",
+    "TokenLogprobs",
+    "TopLogprob",
+    "Usage",
+    "Welcome",
+    "sampling_to_dict",
+    # re-exported from ipc.telemetry
+    "BLOCK_DTYPES",
+    "HISTOGRAM_NAMES",
+    "BlockArrays",
+    "Histogram",
+    "RequestState",
+    "StepStats",
+    "Telemetry",
+    "TokenEvent",
+    # defined here
+    "CLIENT_KINDS",
+    "ClientMessage",
+    "DEFAULT_CLIENT_TIMEOUT",
+    "DEFAULT_HEARTBEAT_INTERVAL",
+    "ERROR_CODES",
+    "EngineMessage",
+    "MAX_CLIENT_MESSAGE_BYTES",
+    "MAX_PUB_MESSAGE_BYTES",
+    "MAX_REPLY_MESSAGE_BYTES",
+    "PROGRESS_PREFIX",
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "PubMessage",
+    "READY_PREFIX",
+    "TOPIC_GOODBYE",
+    "TOPIC_HEARTBEAT",
+    "TOPIC_KV_EVENTS",
+    "TOPIC_TELEMETRY",
+    "classify_decode_error",
+    "decode_client",
+    "decode_engine",
+    "decode_pub",
+    "encode",
+    "ERR_BAD_MESSAGE",
+    "ERR_UNKNOWN_KIND",
+    "ERR_INVALID_MESSAGE",
+    "ERR_UNAUTHORIZED",
+    "ERR_VERSION_MISMATCH",
+    "ERR_INVALID_REQUEST",
+    "ERR_DUPLICATE_REQUEST_ID",
+    "ERR_UNKNOWN_REQUEST",
+    "ERR_INVALID_CONTROL",
+    "ERR_OVERLOADED",
+    "ERR_SHUTTING_DOWN",
+    "ERR_INTERNAL",
+    "ERR_KV_TRANSFER_FAILED",
+]
 
 PROTOCOL_VERSION = 1
 
@@ -70,435 +192,6 @@ ERROR_CODES = (
     ERR_SHUTTING_DOWN,
     ERR_INTERNAL,
     ERR_KV_TRANSFER_FAILED,
-)
-
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-ControlOp = Literal[
-    "get_config",
-    "set_limits",
-    "set_prefix_caching",
-    "reset_prefix_cache",
-    "pause",
-    "resume",
-    "shutdown",
-    "replay_kv_events",  # publish AllBlocksCleared and the whole prefix index (ipc/kv_events.py)
-]
-FinishReason = Literal["stop", "length", "abort", "error"]
-
-_STRICT = dict(kw_only=True, forbid_unknown_fields=True, omit_defaults=True)
-
-
-# ---------------------------------------------------------------- shared pieces
-
-
-class SamplingOptions(msgspec.Struct, **_STRICT):
-    """Mirror of engine_proc.sampling_params.SamplingParams (same names and defaults).
-
-    Only types are checked here; the engine validates values and its ValueError text comes back
-    as an `error` with code `invalid_request`.
-    """
-
-    max_tokens: int = 256
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    seed: int | None = None
-    n: int = 1
-    stop: list[str] = msgspec.field(default_factory=list)
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0  # [-2, 2], OpenAI: subtracted once from every seen output token
-    frequency_penalty: float = 0.0  # [-2, 2], OpenAI: subtracted per occurrence in the output
-    repetition_penalty: float = 1.0  # > 0, HF/vLLM: divides (or multiplies) prompt+output logits
-    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> [-100, 100]
-    logprobs: int | None = None  # None = off; k >= 0: the chosen token's logprob and the top k
-
-
-SAMPLING_FIELDS = tuple(SamplingOptions.__struct_fields__)
-
-
-class KVTransferParams(msgspec.Struct, **_STRICT):
-    """Prefill/decode disaggregation (docs/PROTOCOL.md section 10). To a prefill engine:
-    `do_remote_decode` (keep the prompt's KV blocks under a lease; the Finish names them). To a
-    decode engine: where to pull them from and the tokens the prefill engine already produced."""
-
-    do_remote_decode: bool = False
-    remote_endpoint: str | None = None  # the prefill engine's transfer endpoint
-    remote_lease_id: str | None = None
-    block_hashes: list[bytes] = msgspec.field(default_factory=list)  # the prompt's full blocks
-    output_token_ids: list[int] = msgspec.field(default_factory=list)  # already generated
-
-    def __post_init__(self) -> None:
-        pulls = self.remote_endpoint is not None
-        if pulls == (self.remote_lease_id is None):
-            raise ValueError("remote_endpoint and remote_lease_id go together")
-        if self.do_remote_decode and (pulls or self.output_token_ids):
-            raise ValueError(
-                "do_remote_decode (to a prefill engine) excludes remote_endpoint and "
-                "output_token_ids (to a decode engine)"
-            )
-        if any(len(h) != 32 for h in self.block_hashes):
-            raise ValueError("block_hashes must be 32-byte sha256 chain hashes")
-
-
-class KVHandoff(msgspec.Struct, kw_only=True):
-    """In a prefill engine's Finish: the prompt blocks held for pulling, and until when."""
-
-    lease_id: str
-    endpoint: str  # transfer endpoint (ipc/kv_transfer.py)
-    block_hashes: list[bytes]  # the prompt's full blocks, chain order
-    lease_seconds: float
-
-
-class ChatMessage(msgspec.Struct, **_STRICT):
-    role: str
-    content: str
-
-
-class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """engine.model_info(); unknown extra keys from newer engines are ignored."""
-
-    name: str
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    device: str
-    block_size: int
-    num_blocks: int
-    kv_bytes_per_token: int
-    max_model_len: int
-    model_id: str = ""
-    num_heads: int = 0
-    vocab_size: int = 0
-    attention_backend: str = ""
-    kv_pool_bytes: int = 0  # num_blocks x block_size x kv_bytes_per_token
-    decode_weights: str = ""  # "dense" or "int4" (4-bit copies for decode-sized products)
-    cuda_graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs; [] = eager
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "int8" (+ a float16 scale/token)
-    kv_host_bytes: int = 0  # host-memory KV tier below the pool; 0 = none
-    kv_disk_bytes: int = 0  # disk KV tier (survives restarts); 0 = none
-    role: str = ""  # "" (serves whole requests), "prefill" or "decode" (disaggregated)
-    kv_transfer_endpoint: str = ""  # prefill role: where decode engines pull KV blocks
-    cache_identity: str = ""  # all that decides K/V contents besides tokens (model, dtypes, ...)
-
-
-class LiveConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """engine.live_config() plus the server's pause switch."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    long_prefill_chunk: int
-    enable_prefix_caching: bool
-    paused: bool = False
-
-
-class Usage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache
-    completion_tokens: int
-
-
-# ---------------------------------------------------------------- client -> engine
-
-
-class _ClientMsg(msgspec.Struct, tag_field="kind", **_STRICT):
-    token: str | None = None  # access token; required on every message when the engine has one
-
-
-class Hello(_ClientMsg, tag="hello", kw_only=True):
-    protocol_version: int
-    client_name: str = ""
-
-
-class Generate(_ClientMsg, tag="generate", kw_only=True):
-    request_id: RequestId
-    prompt: str | list[int] | None = None  # text, or token ids
-    messages: list[ChatMessage] | None = None  # chat (the model's chat template applies)
-    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
-    cache_salt: str | None = None
-    kv_transfer: KVTransferParams | None = None  # disaggregated serving (section 10)
-
-    def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("exactly one of `prompt` and `messages` must be given")
-        if self.messages is not None and not self.messages:
-            raise ValueError("`messages` must not be empty")
-        if self.kv_transfer is not None and self.sampling.n != 1:
-            raise ValueError("kv_transfer needs sampling.n == 1")
-
-
-class Tokenize(_ClientMsg, tag="tokenize", kw_only=True):
-    """Text or chat -> token ids, as `generate` would see them; answered with `tokenized`."""
-
-    request_id: RequestId  # echoed in the reply (not a generate request: never in flight)
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # prompt only: BOS as generate adds it
-    add_generation_prompt: bool = True  # messages only: the assistant turn's opening
-
-    def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("exactly one of `prompt` and `messages` must be given")
-
-
-class Detokenize(_ClientMsg, tag="detokenize", kw_only=True):
-    """Token ids -> text; answered with `tokenized`."""
-
-    request_id: RequestId
-    token_ids: list[int]
-
-
-class Abort(_ClientMsg, tag="abort", kw_only=True):
-    request_id: RequestId
-
-
-class Control(_ClientMsg, tag="control", kw_only=True):
-    op: ControlOp
-    control_id: str = ""  # echoed in the ControlAck / Error, for matching replies
-    max_num_seqs: int | None = None  # set_limits
-    max_num_batched_tokens: int | None = None  # set_limits
-    long_prefill_chunk: int | None = None  # set_limits
-    enable_prefix_caching: bool | None = None  # set_prefix_caching
-
-    def __post_init__(self) -> None:
-        limits = (self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_chunk)
-        if self.op == "set_limits" and all(v is None for v in limits):
-            raise ValueError(
-                "set_limits needs at least one of max_num_seqs, max_num_batched_tokens, "
-                "long_prefill_chunk"
-            )
-        if self.op != "set_limits" and any(v is not None for v in limits):
-            raise ValueError(f"limits are only allowed with op 'set_limits', got op {self.op!r}")
-        if self.op == "set_prefix_caching" and self.enable_prefix_caching is None:
-            raise ValueError("set_prefix_caching needs enable_prefix_caching (true or false)")
-        if self.op != "set_prefix_caching" and self.enable_prefix_caching is not None:
-            raise ValueError(
-                f"enable_prefix_caching is only allowed with op 'set_prefix_caching', "
-                f"got op {self.op!r}"
-            )
-
-
-class Heartbeat(_ClientMsg, tag="heartbeat", kw_only=True):
-    """Both directions and on PUB: `time` is the sender's monotonic clock."""
-
-    time: float = 0.0
-    paused: bool = False  # engine -> client only
-
-
-class Goodbye(_ClientMsg, tag="goodbye", kw_only=True):
-    """Client: I am leaving, abort my requests. Engine: I am shutting down."""
-
-    reason: str = ""
-
-
-# ---------------------------------------------------------------- engine -> client
-
-
-class _EngineMsg(msgspec.Struct, tag_field="kind", **_STRICT):
-    pass
-
-
-class Welcome(_EngineMsg, tag="welcome", kw_only=True):
-    """Reply to Hello."""
-
-    protocol_version: int
-    client_id: str  # hex of the ROUTER routing id the engine sees for this client
-    model: ModelInfo
-    config: LiveConfig
-    pub_endpoint: str
-    telemetry_hz: float
-    heartbeat_interval: float
-    client_timeout: float
-    max_message_bytes: int
-    server_time: float  # engine monotonic clock
-
-
-class TopLogprob(msgspec.Struct, kw_only=True, array_like=True):
-    """One candidate: sent as a 3-element array [token_id, token, logprob] (compact)."""
-
-    token_id: int
-    token: str  # the token decoded alone (may hold U+FFFD for part of a character)
-    logprob: float
-
-
-class TokenLogprobs(msgspec.Struct, kw_only=True):
-    """Log-probabilities of one sampled token (log-softmax of the model's raw logits)."""
-
-    token_id: int
-    token: str
-    logprob: float
-    top: list[TopLogprob] = []  # the k most likely tokens, best first (k = sampling.logprobs)
-
-
-class Delta(_EngineMsg, tag="delta", kw_only=True):
-    request_id: str
-    index: int  # sequence index within the request (0..n-1)
-    token_ids: list[int]  # new tokens of this step
-    text: str  # text that became final in this step
-    token_times: list[float]  # engine monotonic clock, one per new token
-    time: float  # engine clock when the delta was sent
-    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when asked for
-
-
-class Finish(_EngineMsg, tag="finish", kw_only=True):
-    request_id: str
-    index: int
-    reason: FinishReason
-    usage: Usage
-    ttft: float | None = None  # seconds
-    tpot: float | None = None
-    e2e: float | None = None
-    queue_time: float | None = None
-    error: str | None = None  # why, when reason is abort or error
-    kv_handoff: KVHandoff | None = None  # prefill role, do_remote_decode: blocks to pull
-
-
-class Tokenized(_EngineMsg, tag="tokenized", kw_only=True):
-    """Reply to `tokenize` and `detokenize`."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str  # detokenize: the decoded text; tokenize: the text that was tokenized
-    max_model_len: int
-
-
-class ControlAck(_EngineMsg, tag="control_ack", kw_only=True):
-    control_id: str
-    op: ControlOp
-    config: LiveConfig  # the configuration after the change
-    time: float  # engine clock; every Telemetry with time >= this one shows the change
-    result: bool | None = None  # reset_prefix_cache: whether the cache was reset
-
-
-class Error(_EngineMsg, tag="error", kw_only=True):
-    code: str  # one of ERROR_CODES
-    message: str
-    request_id: str | None = None
-    control_id: str | None = None
-
-
-# ---------------------------------------------------------------- engine PUB
-
-
-class BlockArrays(msgspec.Struct, kw_only=True):
-    """BlockSnapshot arrays as raw little-endian bytes; `dtypes` holds numpy dtype strings."""
-
-    num_blocks: int
-    state: bytes  # uint8: 0 empty, 1 cached (free, hashed), 2 in use
-    ref_count: bytes  # int32
-    filled: bytes  # int32: token slots holding K/V
-    short_hash: bytes  # uint32: first 4 bytes of the prefix hash, 0 = none
-    parent: bytes  # int32: block holding the previous block of the chain, -1 = none
-    dtypes: dict[str, str]
-
-    @classmethod
-    def pack(cls, **arrays: np.ndarray) -> BlockArrays:
-        """Pack the five arrays (keyword names as the fields) with their wire dtypes."""
-        n = len(arrays["state"])
-        fields: dict[str, bytes] = {}
-        for name, dtype in BLOCK_DTYPES.items():
-            arr = np.ascontiguousarray(arrays[name], dtype=dtype)
-            assert arr.shape == (n,), f"{name} has shape {arr.shape}, expected ({n},)"
-            fields[name] = arr.tobytes()
-        return cls(num_blocks=n, dtypes=dict(BLOCK_DTYPES), **fields)
-
-    def to_numpy(self) -> dict[str, np.ndarray]:
-        """Decode to read-only numpy arrays; ValueError when sizes or dtypes do not match."""
-        out: dict[str, np.ndarray] = {}
-        for name in BLOCK_DTYPES:
-            dtype = np.dtype(self.dtypes.get(name, BLOCK_DTYPES[name]))
-            raw = getattr(self, name)
-            if len(raw) != self.num_blocks * dtype.itemsize:
-                raise ValueError(
-                    f"blocks.{name} has {len(raw)} bytes, expected "
-                    f"{self.num_blocks} x {dtype.itemsize}"
-                )
-            out[name] = np.frombuffer(raw, dtype=dtype)
-        return out
-
-
-BLOCK_DTYPES: dict[str, str] = {
-    "state": "|u1",
-    "ref_count": "<i4",
-    "filled": "<i4",
-    "short_hash": "<u4",
-    "parent": "<i4",
-}
-
-
-class RequestState(msgspec.Struct, kw_only=True):
-    """Mirror of engine_proc.telemetry_types.RequestSnapshot."""
-
-    request_id: str
-    status: str  # waiting | running | preempted | finished
-    block_table: list[int]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_computed_tokens: int
-    num_generated_tokens: int
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    origin: str = ""  # client_name of the client that sent it ("http", "gui", ...)
-
-
-class TokenEvent(msgspec.Struct, kw_only=True):
-    request_id: str
-    index: int  # 0 = first output token
-    time: float  # engine monotonic clock
-
-
-class StepStats(msgspec.Struct, kw_only=True):
-    time: float  # end of step, engine monotonic clock
-    duration: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
-
-
-class Histogram(msgspec.Struct, kw_only=True):
-    """A cumulative histogram since the engine started: `counts[i]` observations fell in
-    (bounds[i-1], bounds[i]], the last entry above every bound (+Inf); never reset, so a
-    subscriber that lost snapshots still reads exact totals."""
-
-    bounds: list[float]
-    counts: list[int]  # len(bounds) + 1
-    sum: float
-
-
-class Telemetry(_EngineMsg, tag="telemetry", kw_only=True):
-    seq: int  # increases by one per published snapshot (gaps = dropped snapshots)
-    time: float  # engine monotonic clock
-    counters: dict[str, float]
-    config: LiveConfig
-    blocks: BlockArrays
-    requests: list[RequestState]
-    token_events: list[TokenEvent] = msgspec.field(default_factory=list)  # since previous seq
-    steps: list[StepStats] = msgspec.field(default_factory=list)  # since previous seq
-    num_clients: int = 0
-    # Cumulative since start (names below); empty from engines that keep none.
-    histograms: dict[str, Histogram] = msgspec.field(default_factory=dict)
-    finished_reasons: dict[str, int] = msgspec.field(default_factory=dict)  # stop/length/abort/..
-    kv_events_seq: int = 0  # seq of the last KV event batch published before this snapshot
-
-
-# Histogram names in Telemetry.histograms (vLLM's metric names without prefix and unit suffix
-# where they have one): observed per finished sequence unless noted.
-HISTOGRAM_NAMES = (
-    "time_to_first_token_seconds",  # at the first token
-    "inter_token_latency_seconds",  # per output token after the first
-    "e2e_request_latency_seconds",
-    "request_queue_time_seconds",
-    "request_prefill_time_seconds",
-    "request_decode_time_seconds",
-    "request_prompt_tokens",
-    "request_generation_tokens",
-    "request_max_num_generation_tokens",  # per request: its max_tokens
-    "request_time_per_output_token_seconds",  # per sequence: its mean gap after the first token
-    "iteration_tokens_total",  # per engine step: tokens computed in it
 )
 
 
@@ -565,8 +258,3 @@ def classify_decode_error(exc: Exception, data: bytes | None = None) -> Protocol
             return ProtocolError(ERR_UNKNOWN_KIND, f"{text}; kind must be one of {CLIENT_KINDS}")
         return ProtocolError(ERR_INVALID_MESSAGE, text)
     return ProtocolError(ERR_BAD_MESSAGE, f"not a MessagePack message: {text}")
-
-
-def sampling_to_dict(options: SamplingOptions) -> dict[str, Any]:
-    """Keyword arguments for engine_proc's SamplingParams (all fields, same names)."""
-    return {name: getattr(options, name) for name in SAMPLING_FIELDS}

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_proc import model_loader
+from engine_proc import model_loader, tokenizer_cache
 from engine_proc.model_loader import (
     DEFAULT_MODEL_INSTALL,
     Checkpoint,
@@ -346,10 +346,10 @@ def test_gguf_tokenizer_is_cached_on_disk_and_rebuilt_when_damaged(tmp_path, mon
 
     monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", classmethod(spy))
     path = default_model_path()
-    built = model_loader._gguf_tokenizer(path, None)
+    built = tokenizer_cache.gguf_tokenizer(path, None)
     [entry] = list((tmp_path / "tokenizers").iterdir())
     assert (entry / "tokenizer.json").is_file() and calls == [True]
-    cached = model_loader._gguf_tokenizer(path, None)
+    cached = tokenizer_cache.gguf_tokenizer(path, None)
     assert calls == [True, False]  # the second start read the cache
     samples = ["Hello world!", "  ßé 中文\n\n def f(x): return x**2 ", "<|im_start|>user\nhey"]
     for s in samples:
@@ -360,8 +360,8 @@ def test_gguf_tokenizer_is_cached_on_disk_and_rebuilt_when_damaged(tmp_path, mon
     )
     assert cached.eos_token == built.eos_token and len(cached) == len(built)
     (entry / "tokenizer.json").write_text("{not json")
-    again = model_loader._gguf_tokenizer(path, None)
+    again = tokenizer_cache.gguf_tokenizer(path, None)
     assert calls[-2:] == [False, True]  # the damaged entry was tried, then rebuilt
     assert again(samples[1]).input_ids == built(samples[1]).input_ids
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", "")
-    assert model_loader.tokenizer_cache_dir() is None
+    assert tokenizer_cache.tokenizer_cache_dir() is None
