@@ -16,8 +16,9 @@ logit margin of its own token over the int4 reply's):
 - batched, eager, native bf16: 2 (0.095), 8, 13 (0.196), 48, 19 (0.234), 11, 48, 11: 5 of 8
   identical; emulated bf16: 10, 8, 39, 48, 30 (0.050), 8 (0.249), 48, 5 (0.069): 5 of 8;
 - batched, fused step: 2 (0.095), 8, 39, 48, 30 (0.050), 11, 48, 11: 6 of 8;
-- one at a time (as the app's chat sends them), fused: 10, 8, 39, 48, 30 (0.050), 11, 48, 11,
-  7 of 8; eager: 2 (0.095), ..., 30 (0.050), ...: 6 of 8.
+- one at a time (as the app's chat sends them), fused: 2 (0.095), 8, 39, 48, 30 (0.050), 11,
+  48, 11: 6 of 8 on a fresh engine, and 10 (identical), ... 7 of 8 once the prompts' prefixes
+  are cached (computed in other chunks); eager: 2 (0.095), ..., 19 or 30, ...: 6 of 8.
 
 The dense model's own margins on these replies go down to 0.007 (prompt 5, token 44).
 """

@@ -1,6 +1,9 @@
 """Our forward pass over the paged cache against transformers' own forward, on tiny random
 checkpoints of every supported head layout."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -177,18 +180,52 @@ def test_float32_prompt_products_run_on_onednn_within_float32_rounding(monkeypat
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 96, generator=gen)
     bias = torch.randn(48, generator=gen)
-    rows = llama.ONEDNN_MIN_ROWS
-    # A strided input too: the attention output reaches o_proj as a reshaped view.
+    rows = llama.ONEDNN_ROWS
+    # A strided input too (the attention output reaches o_proj as a reshaped view), and a row
+    # count that is not a multiple: its last rows go to torch's BLAS.
     for x in (torch.randn(rows, 96, generator=gen),
-              torch.randn(96, rows + 5, generator=gen).t()):  # fmt: skip
+              torch.randn(96, 2 * rows + 5, generator=gen).t()):  # fmt: skip
         reference = x.double() @ weight.double().t() + bias.double()
         out = linear(x, weight, bias)
-        assert out.dtype == torch.float32
+        assert out.dtype == torch.float32 and out.shape == reference.shape
         # float32 sums of 96 products of ~N(0, 1) values: a few ulps of the sum's terms.
         bound = 96 * 2**-23 * (x.double().abs() @ weight.double().abs().t())
         assert ((out.double() - reference).abs() <= bound).all()
-    assert calls == [rows, rows + 5]
+    assert calls == [rows, 2 * rows]  # oneDNN only ever sees multiples of ONEDNN_ROWS
     small = torch.randn(rows - 1, 96, generator=gen)  # decode-sized: torch's default BLAS
     assert torch.equal(linear(small, weight, bias), torch.nn.functional.linear(small, weight, bias))
-    assert calls == [rows, rows + 5]
+    assert calls == [rows, 2 * rows]
     assert not llama.Linear(torch.device("cpu"), torch.bfloat16).onednn  # float32 only
+
+
+# In a fresh process: float32 products of 150 different row counts (what a server's prompt
+# chunks look like) through Linear; RSS growth after the first 20, in MB.
+HEAP_SCRIPT = """
+import random
+import torch
+from engine_proc.models.llama import Linear
+torch.set_num_threads(1)
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+linear = Linear(torch.device("cpu"), torch.float32)
+weight = torch.randn(3072, 576)
+for i, rows in enumerate(random.Random(0).sample(range(32, 2048), 150)):
+    linear(torch.randn(rows, 576), weight)
+    if i == 19:
+        warm = rss_mb()
+print(rss_mb() - warm)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_prompt_products_of_changing_lengths_do_not_grow_the_process():
+    # oneDNN keeps ~0.65 MB for every row count it runs (a server's soak grew 200 MB with
+    # every count sent to it); Linear sends it multiples of ONEDNN_ROWS only.
+    from engine_proc.models.llama import onednn_linear_available
+
+    if not onednn_linear_available():
+        pytest.skip("this torch build has no oneDNN inner product")
+    out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True,
+                         timeout=300, check=True)  # fmt: skip
+    growth = float(out.stdout.strip())
+    assert growth < 30, f"RSS grew {growth:.0f} MB over 130 prompt lengths"

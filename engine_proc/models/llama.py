@@ -149,11 +149,12 @@ def bf16_lm_head_rows(native_bf16: bool) -> int:
     return MAX_ROWS if native_bf16 else EMULATED_BF16_ROWS
 
 
-# From this many rows on, float32 CPU products run on oneDNN instead of torch's default BLAS
-# (MKL): measured on a 2-core AVX-512 EPYC, oneDNN is 1.15-1.6x faster for prompt-sized
-# products (MKL takes a slower path on non-Intel CPUs). Float32 either way, summed in another
-# order; below this, steps (decode) keep MKL, the same products as transformers.
-ONEDNN_MIN_ROWS = 32
+# Float32 CPU products of prompt-sized steps run on oneDNN instead of torch's default BLAS (MKL):
+# measured on a 2-core AVX-512 EPYC, oneDNN is 1.15-1.6x faster for such products (MKL takes a
+# slower path on non-Intel CPUs). Float32 either way, summed in another order. oneDNN takes the
+# largest multiple of this many rows (so it sees at most max_num_batched_tokens / 256 row
+# counts); smaller steps (decode) and the rest of the rows stay on MKL, as in transformers.
+ONEDNN_ROWS = 256
 
 
 @functools.cache
@@ -173,7 +174,8 @@ class Linear:
       more than ``EMULATED_BF16_ROWS`` rows (prefill, batched decode) runs in float32 on upcast
       weights: the upcast reads the weights once, which costs far less than the emulated bf16
       GEMM would;
-    - a float32 CPU product of at least ``ONEDNN_MIN_ROWS`` rows runs on oneDNN."""
+    - a float32 CPU product of at least ``ONEDNN_ROWS`` rows runs on oneDNN (but for its last
+      ``rows % ONEDNN_ROWS`` rows)."""
 
     def __init__(
         self, device: torch.device, dtype: torch.dtype, native_bf16: bool | None = None
@@ -198,8 +200,15 @@ class Linear:
         if self.upcast and x.shape[0] > EMULATED_BF16_ROWS:
             b = None if bias is None else bias.float()
             return F.linear(x.float(), weight.float(), b).to(x.dtype)
-        if self.onednn and x.shape[0] >= ONEDNN_MIN_ROWS:
-            return onednn_linear(x, weight, bias)
+        rows = x.shape[0]
+        if self.onednn and rows >= ONEDNN_ROWS:
+            # oneDNN keeps memory for every row count it has seen (~0.65 MB each), so it only
+            # ever sees multiples of ONEDNN_ROWS: the rest of the rows go to torch's BLAS.
+            head = rows // ONEDNN_ROWS * ONEDNN_ROWS
+            if head == rows:
+                return onednn_linear(x, weight, bias)
+            return torch.cat([onednn_linear(x[:head], weight, bias),
+                              F.linear(x[head:], weight, bias)])  # fmt: skip
         return F.linear(x, weight, bias)
 
 
