@@ -6,51 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from engine_proc.attention.base import AttentionBackend
-from engine_proc.config import EngineConfig
-from engine_proc.kv_cache_manager import KVCacheManager
+from engine_proc.engine_parts import EngineParts
 from engine_proc.kv_events import KVEvent, KVEventLog, full_replay
-from engine_proc.kv_transfer import KVTransfer
-from engine_proc.metrics import RequestHistograms
-from engine_proc.model_runner import ModelRunner
-from engine_proc.models.config import ModelConfig
 from engine_proc.request import Sequence
-from engine_proc.scheduler import Scheduler
-from engine_proc.telemetry import EngineStats, build_snapshot
+from engine_proc.telemetry import build_snapshot
 from engine_proc.telemetry_types import EngineSnapshot
 
 logger = logging.getLogger("engine_proc.engine")
 
 
-class LiveControl:
-    config: EngineConfig
-    clock: Callable[[], float]
-    checkpoint_name: str
-    model_config: ModelConfig
-    model_id: str
-    device: torch.device
-    backend: AttentionBackend
-    decode_weights: str
-    kv_cache_dtype: str
-    cache_identity: str
-    block_size: int
-    block_bytes: int
-    num_blocks: int
-    kv_bytes_per_token: int
-    max_model_len: int
-    runner: ModelRunner
-    kv: KVCacheManager
-    scheduler: Scheduler
-    transfer: KVTransfer
-    requests: dict[str, list[Sequence]]
-    stats: EngineStats
-    histograms: RequestHistograms
-
+class LiveControl(EngineParts):
     def live_config(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self.scheduler.limits) | {
             "enable_prefix_caching": self.kv.enable_caching

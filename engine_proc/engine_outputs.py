@@ -4,34 +4,18 @@ A mixin of LLMEngine (engine_proc/engine.py), which owns the state it reads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from engine_proc.detokenizer import IncrementalDetokenizer
-from engine_proc.kv_cache_manager import KVCacheManager
-from engine_proc.kv_transfer import KVTransfer
-from engine_proc.metrics import RequestHistograms
+from engine_proc.engine_parts import EngineParts
 from engine_proc.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from engine_proc.request import Sequence, SequenceStatus
 from engine_proc.sampler import RawLogprobs, compute_logprobs, sample
-from engine_proc.scheduler import ScheduledBatch, Scheduler
-from engine_proc.telemetry import EngineStats
+from engine_proc.scheduler import ScheduledBatch
 from engine_proc.telemetry_types import TokenEvent
 
 
-class StepOutputs:
-    clock: Callable[[], float]
-    tokenizer: Any
-    block_size: int
-    kv: KVCacheManager
-    scheduler: Scheduler
-    transfer: KVTransfer
-    requests: dict[str, list[Sequence]]
-    stats: EngineStats
-    histograms: RequestHistograms
-
+class StepOutputs(EngineParts):
     def _sample_and_emit(
         self, logits: torch.Tensor, sampling: list[Sequence]
     ) -> list[RequestOutput]:

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_proc.models.config import ModelConfig
+from engine_proc.engine_parts import EngineParts
 
 Prompt = str | list[int] | list[dict[str, str]]
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-class Tokenization:
+class Tokenization(EngineParts):
     """Validates what it is given: a ValueError names what is wrong (the server sends it back
     as invalid_request)."""
-
-    tokenizer: Any
-    model_config: ModelConfig
-    checkpoint_name: str
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
