@@ -10,6 +10,10 @@ engine logs a warning and decodes with the eager path.
 
 It serves steps where every sequence decodes one token (``ROWS_PER_CALL`` rows a call) on a
 float32 model with 4-bit decode weights and a float32 KV cache; every other step runs eagerly.
+Steps of up to ``PRECISE_ROWS`` rows (a person chatting, a few chats at once) compute the
+4-bit products with bfloat16 activation pairs, so their replies are the dense model's (its
+float32 products to 2^-18); wider steps, where the products' arithmetic is the bound, with
+single bfloat16 activations (as torch's int4 kernel and the eager path do).
 """
 
 from __future__ import annotations
@@ -145,6 +149,11 @@ INT4_KERNELS = ("torch", "portable", "avx512_bf16")
 # Rows of one extension call (a wider decode step makes several). Measured at 64 streams on 2
 # cores: 64 rows a call 616 tok/s, 16 rows a call 517 (the products' threads share more work).
 ROWS_PER_CALL = 64
+# Steps of up to this many rows run the precise products (see the module docstring). Measured
+# on 2 Zen 4 cores, one layer's four products precise / fast (weights in cache): 1 row 62 / 49
+# us, 4 rows 173 / 98, 8 rows 340 / 191, 16 rows 662 / 379 (which would cost the 16-stream
+# rate a quarter); a whole 1-row step streaming its weights from memory, about 15 % slower.
+PRECISE_ROWS = 8
 Q8_HEAD_ROWS = 256  # logits of up to this many rows by the 8-bit head kernel
 
 
@@ -179,11 +188,12 @@ def pick_int4_kernel(model: LlamaModel, module: ModuleType) -> str:
 
 def _linear(w: Int4Weight | None, bias: torch.Tensor | None) -> list[torch.Tensor]:
     assert w is not None
-    return [w.packed, w.scales_zeros, torch.empty(0) if bias is None else bias.float().contiguous()]
+    b = torch.empty(0) if bias is None else bias.float().contiguous()
+    return [w.packed, w.scales_zeros, w.planes, b]
 
 
 def layer_tensors(layer: LlamaLayer) -> list[torch.Tensor]:
-    """The 14 tensors per layer the C++ side reads, in its order."""
+    """The 18 tensors per layer the C++ side reads, in its order."""
     return [
         layer.input_norm.contiguous(),
         layer.post_norm.contiguous(),
@@ -201,6 +211,8 @@ class FusedDecodeStep:
     model: LlamaModel
     module: ModuleType
     decoder: object
+    int4_kernel: str = "torch"  # one of INT4_KERNELS
+    precise_rows: int = PRECISE_ROWS  # steps up to this many rows: precise products (ours)
 
     @classmethod
     def create(
@@ -224,7 +236,7 @@ class FusedDecodeStep:
             c.head_dim, c.rms_norm_eps, INT4_KERNELS.index(kernel), attention_chunks,
         )  # fmt: skip
         logger.info("fused decode step: 4-bit products by the %s kernel", kernel)
-        return cls(model, module, decoder)
+        return cls(model, module, decoder, kernel)
 
     @staticmethod
     def can_run(meta: AttentionMetadata) -> bool:
@@ -239,10 +251,11 @@ class FusedDecodeStep:
         independent (each reads and writes only its own sequence's blocks), so a wide step runs
         as calls of at most ``ROWS_PER_CALL`` rows."""
         rows = len(input_ids)
+        precise = rows <= self.precise_rows
         parts = [
             self.decoder.forward(
                 input_ids[i:j], positions[i:j], kv_cache, meta.slot_mapping[i:j],
-                meta.block_tables[i:j], meta.seq_lens[i:j], self.model.norm,
+                meta.block_tables[i:j], meta.seq_lens[i:j], self.model.norm, precise,
             )  # fmt: skip
             for i in range(0, rows, ROWS_PER_CALL)
             for j in [min(rows, i + ROWS_PER_CALL)]

@@ -50,15 +50,17 @@ def llama_forward(
     *,
     bf16_product_rows: Sequence[bool] | None = None,
     bf16_head_rows: Sequence[bool] | None = None,
+    bf16_product_outputs: bool = True,
     kv_transform: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     | None = None,
 ) -> Float64Forward:
     """One causal pass over ``ids`` (positions 0..T-1) in float64.
 
     bf16_product_rows[t]: token t's linear products take bfloat16-rounded inputs and give
-    bfloat16-rounded outputs, the weights used as given (torch's int4 kernel on weights whose
-    4-bit copy is lossless). bf16_head_rows[t]: token t's logits are the bfloat16-rounded
-    product of its bfloat16-rounded hidden state and the bfloat16-rounded output projection.
+    bfloat16-rounded outputs (unrounded with ``bf16_product_outputs=False``), the weights used
+    as given (torch's int4 kernel on weights whose 4-bit copy is lossless). bf16_head_rows[t]:
+    token t's logits are the bfloat16-rounded product of its bfloat16-rounded hidden state and
+    the bfloat16-rounded output projection.
     kv_transform(layer, k, v) -> (k, v): what a quantised KV cache stores of each layer's K
     (after rotary) and V, [T, num_kv_heads, head_dim], e.g. a quantise-dequantise round trip.
     Everything else is exact (to float64)."""
@@ -71,7 +73,8 @@ def llama_forward(
         x = torch.where(rounded, bf16_round(x), x)
         y = x @ w[name].t()
         bias = name.removesuffix(".weight") + ".bias"
-        y = torch.where(rounded, bf16_round(y), y)
+        if bf16_product_outputs:
+            y = torch.where(rounded, bf16_round(y), y)
         return y + w[bias] if bias in w else y
 
     def rms_norm(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -4,7 +4,8 @@ The quick tests check the option and the fallbacks without compiling anything. T
 compile the extension once (into the suite's own cache dir) and check its 4-bit kernels
 against brute-force products, its bf16 output projection against a float64 one, and greedy
 decoding through it against the float64 reference of the int4 arithmetic (tests/test_int4.py),
-under both bf16 arithmetics."""
+under both bf16 arithmetics: narrow steps on our kernels are the dense model's float32
+products, wide ones (and torch's kernel) bfloat16-activation products."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from engine_proc.config import add_kernel_arguments, kernel_options
 from engine_proc.models.int4 import int4_kernels_available, quantize_int4
 from tests.float64_llama import bf16_round, bf16_ulp
 from tests.test_int4 import (
-    assert_bf16_product,
     assert_within,
     check_greedy_decoding_against_reference,
     q4_1_matrix,
@@ -140,19 +140,56 @@ def _kernels(module) -> list[str]:
     return ["portable", "avx512_bf16"] if module.has_avx512_bf16() else ["portable"]
 
 
+def _products(step: fd.FusedDecodeStep, rows: int) -> str:
+    """What a fused step of ``rows`` rows computes (tests/test_int4.py: DECODE_PRODUCTS)."""
+    if step.int4_kernel == "torch":
+        return "bf16"
+    return "exact" if rows <= step.precise_rows else "bf16_in"
+
+
+def _int4_mm(extension, x, packed, kernel: str, precise: bool) -> torch.Tensor:
+    return extension.int4_mm(
+        x, packed.packed, packed.scales_zeros, packed.planes, fd.INT4_KERNELS.index(kernel),
+        precise,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16])  # 7: a pass of four rows, then 2 + 1
-def test_our_int4_kernels_are_the_bf16_activation_product(extension, rows):
+def test_our_int4_kernels_are_the_float32_or_bf16_activation_product(extension, rows):
+    """Precise: weights held exactly (a Q4_1 matrix with float16 scales and offsets, as in the
+    GGUF), within float32 sums (plus 2^-18 of each activation) of the exact product. Fast: on
+    weights whose scales and offsets are bfloat16 values (lossless in torch's layout too),
+    within float32 sums of the product of bfloat16-rounded activations, unrounded."""
     assert fd.torch_int4_layout_is_known()
     weight, _ = q4_1_matrix(192, 96, seed=rows)  # lossless 4-bit weights: 3 blocks of 64
-    packed = quantize_int4(weight)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) * 3
+    cases = [(True, snapped_to_float16_q4_1(weight), x.double(), 2**-17),
+             (False, weight, bf16_round(x.double()), 0)]  # fmt: skip
     for kernel in _kernels(extension):
-        got = extension.int4_mm(
-            x.bfloat16(), packed.packed, packed.scales_zeros, fd.INT4_KERNELS.index(kernel)
-        )
-        assert got.dtype == torch.bfloat16
-        assert_bf16_product(got.float(), x, weight)
+        for precise, w, x64, rel in cases:
+            packed, w64 = quantize_int4(w), w.double()
+            got = _int4_mm(extension, x, packed, kernel, precise)
+            assert got.dtype == torch.float32
+            magnitude = x64.abs() @ w64.abs().t()
+            # float32: the folded group sums round ~3 times per group, the K / 32 group sums
+            # once each; generous by ~4x
+            tol = (2**-20 + rel) * magnitude
+            assert_within(got, x64 @ w64.t(), tol)
+        packed = quantize_int4(cases[0][1])
+        # a row's products do not depend on the rows beside it
+        alone = [_int4_mm(extension, x[i : i + 1], packed, kernel, True) for i in range(rows)]
+        assert torch.equal(torch.cat(alone), _int4_mm(extension, x, packed, kernel, True))
+
+
+def snapped_to_float16_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """The matrix as a GGUF Q4_1 tensor holds it: per group of 32, codes 0..15 times a float16
+    scale d plus a float16 minimum m, in float32 (the loader's q * d + m)."""
+    groups = weight.view(weight.shape[0], -1, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    d, m = ((high - low) / 15).half().float(), low.half().float()
+    codes = torch.round((groups - m) / d).clamp(0, 15)
+    return (codes * d + m).view_as(weight)
 
 
 @pytest.mark.slow
@@ -174,8 +211,22 @@ def test_the_bf16_head_is_the_rounded_float64_product(extension, native):
 def test_fused_greedy_decoding_follows_the_float64_reference(extension, native_bf16):
     engine = _engine("fused")
     assert engine.runner.fused.state == "fused"
-    check_greedy_decoding_against_reference(engine, native_bf16)
+    step = engine.runner.fused.step
+    check_greedy_decoding_against_reference(engine, native_bf16, decode_products=_products(step, 3))
     # every decode step (8 - 1 per batch) ran fused; the prefills ran eagerly
+    assert engine.runner.num_fused_steps == 2 * 7
+
+
+@pytest.mark.slow
+def test_wide_fused_steps_take_bf16_activations(extension):
+    """Steps wider than precise_rows (set to 0 here: every step) run our kernels' fast
+    products: bfloat16 activations, float32 outputs."""
+    engine = _engine("fused")
+    step = engine.runner.fused.step
+    assert step is not None
+    step.precise_rows = 0
+    native = engine.model.native_bf16
+    check_greedy_decoding_against_reference(engine, native, decode_products=_products(step, 1))
     assert engine.runner.num_fused_steps == 2 * 7
 
 
@@ -187,7 +238,8 @@ def test_attention_split_into_chunks_decodes_like_the_reference(extension, chunk
     engine = _engine("fused")
     step = fd.FusedDecodeStep.create(engine.model, extension, attention_chunks=chunks)
     engine.runner.fused.step = step
-    check_greedy_decoding_against_reference(engine, engine.model.native_bf16)
+    native = engine.model.native_bf16
+    check_greedy_decoding_against_reference(engine, native, decode_products=_products(step, 3))
     assert engine.runner.num_fused_steps == 2 * 7
 
 
@@ -207,7 +259,8 @@ def test_a_step_wider_than_one_call_runs_as_several(extension, monkeypatch):
             return decoder.forward(input_ids, *args)
 
     decoder, step.decoder = step.decoder, CountingDecoder()
-    check_greedy_decoding_against_reference(engine, engine.model.native_bf16)
+    native = engine.model.native_bf16
+    check_greedy_decoding_against_reference(engine, native, decode_products=_products(step, 3))
     assert engine.runner.num_fused_steps == 2 * 7
     assert sorted(set(calls)) == [1, 2] and max(calls) == 2
 
@@ -218,8 +271,10 @@ def test_every_int4_kernel_decodes_like_the_reference(extension, kernel):
     if kernel not in ("torch", *_kernels(extension)):  # not compiled in: that CPU lacks it
         kernel = "torch"
     engine = _engine("fused")
-    engine.runner.fused.step = fd.FusedDecodeStep.create(engine.model, extension, kernel)
-    check_greedy_decoding_against_reference(engine, engine.model.native_bf16)
+    step = fd.FusedDecodeStep.create(engine.model, extension, kernel)
+    engine.runner.fused.step = step
+    native = engine.model.native_bf16
+    check_greedy_decoding_against_reference(engine, native, decode_products=_products(step, 3))
     assert engine.runner.num_fused_steps == 2 * 7
 
 
@@ -263,5 +318,9 @@ def test_fused_decoding_with_an_8bit_head_follows_the_float64_reference(extensio
     engine = _engine("fused", checkpoint=ck)
     assert fd.use_head_kernel(engine.model, extension) == "q8"
     assert fd.use_head_kernel(_engine("fused").model, extension) == "bf16"
-    # float32 products on the exact weights: the reference's unrounded head, for every row
-    check_greedy_decoding_against_reference(engine, engine.model.native_bf16, ck, 0)
+    # float32 products on the exact weights: the reference's unrounded head, for every row;
+    # with our kernels, float32 products everywhere (a tolerance of 2^-14)
+    step = engine.runner.fused.step
+    check_greedy_decoding_against_reference(
+        engine, engine.model.native_bf16, ck, 0, decode_products=_products(step, 3)
+    )

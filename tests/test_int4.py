@@ -263,12 +263,25 @@ def test_int4_greedy_decoding_follows_a_float64_reference_of_its_arithmetic(nati
     check_greedy_decoding_against_reference(int4, native_bf16)
 
 
+# What a decode step's 4-bit products compute, for the float64 reference: "bf16" bfloat16
+# activations and outputs (torch's kernel); "bf16_in" bfloat16 activations, float32 outputs (the
+# fused step's own kernels in wide steps); "exact" the dense float32 product (theirs in narrow
+# steps: activations as bfloat16 pairs).
+DECODE_PRODUCTS = ("bf16", "bf16_in", "exact")
+
+
 def check_greedy_decoding_against_reference(
-    int4: LLMEngine, native_bf16: bool, ck=None, bf16_head_rows: int | None = None
+    int4: LLMEngine,
+    native_bf16: bool,
+    ck=None,
+    bf16_head_rows: int | None = None,
+    decode_products: str = "bf16",
 ) -> None:
     """The body of the test above, for an int4 engine over ``ck`` (default snapped_checkpoint())
     whose logits of up to ``bf16_head_rows`` rows (default: BF16_HEAD_ROWS) come from the bf16
-    output projection; also run with the fused decode step (tests/test_fused_decode.py)."""
+    output projection and whose decode products compute ``decode_products`` (one of
+    DECODE_PRODUCTS); also run with the fused decode step (tests/test_fused_decode.py)."""
+    assert decode_products in DECODE_PRODUCTS, decode_products
     ck = ck or snapped_checkpoint()
     if bf16_head_rows is None:
         bf16_head_rows = BF16_HEAD_ROWS[native_bf16]
@@ -299,6 +312,7 @@ def check_greedy_decoding_against_reference(
         assert step_rows == [sum(map(len, prompts))] + [len(prompts)] * (params.max_tokens - 1)
         assert [len(s) for s in step_logits] == [len(prompts)] * params.max_tokens
         prefill_int4 = False  # prompts always run the dense weights
+        decode_bf16 = decode_products != "exact"
         head_bf16 = len(prompts) <= bf16_head_rows
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             seq = prompt + out[:-1]
@@ -306,8 +320,9 @@ def check_greedy_decoding_against_reference(
                 ck.config,
                 ck.weights,
                 seq,
-                bf16_product_rows=[prefill_int4] * len(prompt) + [True] * (len(out) - 1),
+                bf16_product_rows=[prefill_int4] * len(prompt) + [decode_bf16] * (len(out) - 1),
                 bf16_head_rows=[head_bf16] * len(seq),
+                bf16_product_outputs=decode_products == "bf16",
             )
             expected = ref.logits[len(prompt) - 1 :]
             got = torch.stack([logits[i] for logits in step_logits]).double()
@@ -316,8 +331,12 @@ def check_greedy_decoding_against_reference(
             # such a flip early on moves later values too. Budget: every element of the final
             # hidden state one bf16 step (2^-7 of it) off, plus one step of the logit's own
             # rounding. (float32 and float64 runs of the reference differ by at most 0.4 of
-            # this on 60 random prompts with either head; a wrong offset is off by 75x.)
-            tol = 2**-7 * _sum_of_magnitudes(ref.hidden[len(prompt) - 1 :], ref.lm_head)
+            # this on 60 random prompts with either head; a wrong offset is off by 75x.) With
+            # no bf16 rounding anywhere, float32 sums: 2^-14 (single bf16 activations, 2^-9
+            # relative, are off by more).
+            no_bf16 = not decode_bf16 and not head_bf16
+            tol = 2 ** (-14 if no_bf16 else -7)
+            tol = tol * _sum_of_magnitudes(ref.hidden[len(prompt) - 1 :], ref.lm_head)
             tol = tol + bf16_ulp(expected)
             assert_within(got, expected, tol)
             for step, token in enumerate(out):  # argmax of logits within tol of the reference's

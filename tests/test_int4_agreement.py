@@ -1,10 +1,15 @@
 """The README's claim about 4-bit decode weights, measured: the default model with
 decode_weights="int4" against transformers' dense greedy replies (tests/conftest.py's
-parity_references) on the parity prompts of tests/test_hf_parity.py, all eight at once, 48 tokens,
-under both bf16 arithmetics (the native_bf16 fixture).
+parity_references) on the parity prompts of tests/test_hf_parity.py, 48 tokens.
 
-The 4-bit copies hold the GGUF's own Q4_1 codes, so the int4 model is the dense model computed
-with bfloat16 activations (and bf16-rounded scales): its logits move by up to ~0.25, and a greedy
+The fused decode step (the app's CPU default) on our 4-bit kernels: narrow steps take the
+activations as bfloat16 pairs and the GGUF's scales exactly, so they compute the dense model's
+float32 products (to 2^-18): measured 8 of 8 replies identical to the dense ones, all eight at
+once and one at a time (AVX-512 bf16 CPU; other CPUs run torch's kernel, below).
+
+The eager int4 path (and the fused step on torch's 4-bit kernel) holds the GGUF's own Q4_1
+codes with bfloat16 activations (and bf16-rounded scales), here all eight at once under both
+bf16 arithmetics (the native_bf16 fixture): its logits move by up to ~0.25, and a greedy
 reply follows the dense one until a position where the dense model's choice leads another token
 by less than that. Which near-tie flips first depends on the last bits of everything before it
 (the CPU's bf16 kernels, the prompt's chunking, whether its prefix was cached), so the leading
@@ -15,10 +20,9 @@ logit margin of its own token over the int4 reply's):
 
 - batched, eager, native bf16: 2 (0.095), 8, 13 (0.196), 48, 19 (0.234), 11, 48, 11: 5 of 8
   identical; emulated bf16: 10, 8, 39, 48, 30 (0.050), 8 (0.249), 48, 5 (0.069): 5 of 8;
-- batched, fused step: 2 (0.095), 8, 39, 48, 30 (0.050), 11, 48, 11: 6 of 8;
-- one at a time (as the app's chat sends them), fused: 2 (0.095), 8, 39, 48, 30 (0.050), 11,
-  48, 11: 6 of 8 on a fresh engine, and 10 (identical), ... 7 of 8 once the prompts' prefixes
-  are cached (computed in other chunks); eager: 2 (0.095), ..., 19 or 30, ...: 6 of 8.
+- one at a time (as the app's chat sends them), eager: 2 (0.095), ..., 19 or 30, ...: 6 of 8;
+- the fused step when it too took single bfloat16 activations: 2 (0.095), 8, 39, 48,
+  30 (0.050), 11, 48, 11: 6 of 8, batched and one at a time.
 
 The dense model's own margins on these replies go down to 0.007 (prompt 5, token 44).
 """
@@ -75,3 +79,28 @@ def test_int4_replies_leave_the_dense_model_only_at_near_ties(
     assert all(m is None or 0 <= m < NEAR_TIE for _, m in found), note
     identical = sum(m is None for _, m in found)
     assert identical >= 5, note  # measured: 5 to 7 of 8, by arithmetic and batching
+
+
+def test_fused_int4_replies_are_the_dense_models(default_checkpoint, parity_references) -> None:
+    from engine_proc import fused_decode as fd
+
+    why = fd.build_unavailable_reason()
+    if why is not None:
+        pytest.skip(f"the fused decode step {why}")
+    prompt_ids, references = parity_references
+    engine = LLMEngine(
+        EngineConfig(num_kv_blocks=512, decode_weights="int4", decode_step="fused"),
+        checkpoint=default_checkpoint,
+    )
+    step = engine.runner.fused.step
+    assert step is not None
+    if step.int4_kernel == "torch":
+        pytest.skip("our 4-bit kernels need AVX512-BF16; torch's has bfloat16 activations")
+    params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0)
+    together = [o.token_ids for o in engine.generate(prompt_ids, params)]
+    alone = [engine.generate([p], params)[0].token_ids for p in prompt_ids]
+    for replies in (together, alone):
+        first_32 = sum(r[:32] == ref[:32] for r, ref in zip(replies, references, strict=True))
+        leading = [_leading_agreement(r, ref) for r, ref in zip(replies, references, strict=True)]
+        assert first_32 >= 7, leading  # measured: 8 of 8, identical replies
+    assert engine.runner.num_fused_steps > 0

@@ -145,10 +145,10 @@ inline void rope_and_write(const StepShape& s, const float* qkv_row, const float
   }
 }
 
-// The chunks' softmax states merged (each rescaled to the overall maximum), normalised, as
-// bfloat16 [heads, d].
+// The chunks' softmax states merged (each rescaled to the overall maximum), normalised, into
+// out [heads, d].
 inline void merge_chunks(const StepShape& s, const Partial* part, const float* acc,
-                         int64_t chunks, bf16* out) {
+                         int64_t chunks, float* out) {
   const int64_t d = s.head_dim;
   for (int64_t h = 0; h < s.heads; ++h) {
     float m = -INFINITY;
@@ -163,7 +163,7 @@ inline void merge_chunks(const StepShape& s, const Partial* part, const float* a
       axpy(w, acc + (c * s.heads + h) * d, o.data(), d);
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys (a padding row): zeros
-    for (int64_t i = 0; i < d; ++i) out[h * d + i] = bf16(o[i] * inv);
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] = o[i] * inv;
   }
 }
 

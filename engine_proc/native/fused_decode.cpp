@@ -4,10 +4,11 @@
 // 4-bit products (int4_kernels.h), attention (attention.h) and the output projection
 // (head_kernels.h). Built at run time by engine_proc/fused_decode.py.
 //
-// The arithmetic is the eager int4 path's (engine_proc/models/llama.py): float32 hidden
-// states, RMSNorm in float32, bfloat16 activations into the 4-bit products (bfloat16 out),
-// rotary and attention in float32 on a float32 KV cache, SiLU-and-multiply in float32. Only
-// summation orders (and a polynomial exp) differ.
+// Float32 throughout (hidden states, RMSNorm, rotary, attention over a float32 KV cache,
+// SiLU-and-multiply), around 4-bit products with float32 outputs whose activations enter as
+// bfloat16 (fast: the eager int4 path's arithmetic, engine_proc/models/llama.py) or as a
+// bfloat16 pair hi + lo (precise: the dense float32 model's products to 2^-18; see
+// int4_kernels.h). The caller picks per step.
 
 #include "attention.h"
 #include "common.h"
@@ -19,8 +20,9 @@ namespace {
 
 struct Linear4 {
   at::Tensor packed;        // torch's int4 CPU layout
-  at::Tensor scales_zeros;  // [in / 32, out, 2] bfloat16
-  at::Tensor bias;          // float32 [out] or undefined
+  at::Tensor scales_zeros;  // [in / 32, out, 2] bfloat16 (torch's kernel)
+  at::Tensor planes;        // [in / 32, 2, out] float32 scale and low (ours)
+  at::Tensor bias;          // float32 [out] or empty
 };
 
 struct Layer {
@@ -28,23 +30,22 @@ struct Layer {
   Linear4 qkv, o, gate_up, down;
 };
 
-// RMSNorm of each row of h [rows, n] (float32), as Out: bfloat16 for the int4 kernel's
-// activations, float32 for the final norm.
-template <typename Out>
-void rms_norm(const float* h, const float* w, int64_t rows, int64_t n, float eps, Out* out) {
+// RMSNorm of each row of h [rows, n], float32.
+void rms_norm(const float* h, const float* w, int64_t rows, int64_t n, float eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = h + r * n;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) out[r * n + i] = Out(x[i] * inv * w[i]);
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = x[i] * inv * w[i];
   }
 }
 
-// h += y (bfloat16 [rows, n]) in float32.
-void add_bf16(float* h, const bf16* y, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) h[i] += static_cast<float>(y[i]);
+// h += y, float32.
+void add_into(float* h, const at::Tensor& y) {
+  const float* yp = y.data_ptr<float>();
+  for (int64_t i = 0, count = y.numel(); i < count; ++i) h[i] += yp[i];
 }
 
 class FusedDecoder {
@@ -55,21 +56,22 @@ class FusedDecoder {
       : embed_(std::move(embed)), cos_(std::move(cos)), sin_(std::move(sin)), heads_(heads), kv_heads_(kv_heads),
         head_dim_(head_dim), eps_(static_cast<float>(eps)), int4_kernel_(int4_kernel),
         attention_chunks_(attention_chunks) {
-    constexpr size_t kPerLayer = 14;  // see fused_decode.py: layer_tensors
-    TORCH_CHECK(tensors.size() % kPerLayer == 0, "expected 14 tensors per layer");
+    constexpr size_t kPerLayer = 18;  // see fused_decode.py: layer_tensors
+    TORCH_CHECK(tensors.size() % kPerLayer == 0, "expected 18 tensors per layer");
     for (size_t i = 0; i < tensors.size(); i += kPerLayer) {
       const at::Tensor* t = &tensors[i];
       layers_.push_back(Layer{t[0], t[1],
-                              {t[2], t[3], t[4]}, {t[5], t[6], t[7]},
-                              {t[8], t[9], t[10]}, {t[11], t[12], t[13]}});
+                              {t[2], t[3], t[4], t[5]}, {t[6], t[7], t[8], t[9]},
+                              {t[10], t[11], t[12], t[13]}, {t[14], t[15], t[16], t[17]}});
     }
     TORCH_CHECK(cos_.is_contiguous() && cos_.scalar_type() == at::kFloat, "cos: float32");
   }
 
-  // token ids [rows] -> final-norm hidden states [rows, hidden], float32.
+  // token ids [rows] -> final-norm hidden states [rows, hidden], float32. precise: the 4-bit
+  // products' activations as bfloat16 pairs (see the top of this file).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor kv_cache,
                      const at::Tensor& slots, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& final_norm) {
+                     const at::Tensor& seq_lens, const at::Tensor& final_norm, bool precise) {
     TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "float32 KV cache");
     TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
     TORCH_CHECK(kv_cache.size(0) == static_cast<int64_t>(layers_.size()), "KV cache layers");
@@ -85,56 +87,50 @@ class FusedDecoder {
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     const int32_t* lens = seq_lens.data_ptr<int32_t>();
-    const auto bf = at::TensorOptions().dtype(at::kBFloat16);
-    at::Tensor x = at::empty({rows, n}, bf);
-    at::Tensor attn = at::empty({rows, heads_ * head_dim_}, bf);
-    at::Tensor qkv_f = at::empty({rows, (heads_ + 2 * kv_heads_) * head_dim_}, at::kFloat);
+    at::Tensor x = at::empty({rows, n}, at::kFloat);
+    at::Tensor attn = at::empty({rows, heads_ * head_dim_}, at::kFloat);
     float* hp = h.data_ptr<float>();
     const int64_t layer_stride = kv_cache.stride(0);
     const int64_t kv_half = kv_cache.stride(1);
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
-      rms_norm<bf16>(hp, L.input_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<bf16>());
-      at::Tensor qkv = int4_mm(x, L.qkv);
-      widen(qkv, L.qkv.bias, qkv_f);
+      rms_norm(hp, L.input_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<float>());
+      at::Tensor qkv = int4_mm(x, L.qkv, precise);
+      add_bias(qkv, L.qkv.bias);
       float* k_cache = kv_cache.data_ptr<float>() + li * layer_stride;
-      attention(s, qkv_f, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
-      add_bf16(hp, int4_mm(attn, L.o).data_ptr<bf16>(), rows * n);
-      rms_norm<bf16>(hp, L.post_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<bf16>());
-      at::Tensor gu = int4_mm(x, L.gate_up);
-      add_bf16(hp, int4_mm(silu_mul(gu), L.down).data_ptr<bf16>(), rows * n);
+      attention(s, qkv, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
+      add_into(hp, int4_mm(attn, L.o, precise));
+      rms_norm(hp, L.post_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<float>());
+      at::Tensor gu = int4_mm(x, L.gate_up, precise);
+      add_into(hp, int4_mm(silu_mul(gu), L.down, precise));
     }
     at::Tensor out = at::empty_like(h);
-    rms_norm<float>(hp, final_norm.data_ptr<float>(), rows, n, eps_, out.data_ptr<float>());
+    rms_norm(hp, final_norm.data_ptr<float>(), rows, n, eps_, out.data_ptr<float>());
     return out;
   }
 
  private:
-  // bfloat16 [rows, m] (+ float32 bias) -> float32 [rows, m]
-  static void widen(const at::Tensor& y, const at::Tensor& bias, at::Tensor& out) {
+  // y [rows, m] += bias [m] (none when empty), float32.
+  static void add_bias(at::Tensor& y, const at::Tensor& bias) {
+    if (!bias.defined() || bias.numel() == 0) return;
     const int64_t rows = y.size(0), m = y.size(1);
-    const bf16* yp = y.data_ptr<bf16>();
-    float* op = out.data_ptr<float>();
-    const float* b = bias.defined() && bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
+    float* yp = y.data_ptr<float>();
+    const float* b = bias.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < m; ++i)
-        op[r * m + i] = static_cast<float>(yp[r * m + i]) + (b ? b[i] : 0.f);
+      for (int64_t i = 0; i < m; ++i) yp[r * m + i] += b[i];
   }
 
-  // silu(gate) * up in float32 from the bfloat16 [rows, 2I] gate/up product, to bfloat16.
+  // silu(gate) * up from the [rows, 2I] gate/up product, float32.
   static at::Tensor silu_mul(const at::Tensor& gu) {
     const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
     at::Tensor out = at::empty({rows, inter}, gu.options());
-    const bf16* g = gu.data_ptr<bf16>();
-    bf16* o = out.data_ptr<bf16>();
+    const float* g = gu.data_ptr<float>();
+    float* o = out.data_ptr<float>();
     std::vector<float> a(inter), e(inter);
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t i = 0; i < inter; ++i) a[i] = -static_cast<float>(g[r * 2 * inter + i]);
+      for (int64_t i = 0; i < inter; ++i) a[i] = -g[r * 2 * inter + i];
       exp_into(a.data(), e.data(), inter);
-      for (int64_t i = 0; i < inter; ++i) {
-        const float u = static_cast<float>(g[r * 2 * inter + inter + i]);
-        o[r * inter + i] = bf16(-a[i] / (1.f + e[i]) * u);
-      }
+      for (int64_t i = 0; i < inter; ++i) o[r * inter + i] = -a[i] / (1.f + e[i]) * g[r * 2 * inter + inter + i];
     }
     return out;
   }
@@ -170,7 +166,7 @@ class FusedDecoder {
                        b1, &part[t * s.heads], &acc[t * hd], scores);
       }
     });
-    bf16* out = attn.data_ptr<bf16>();
+    float* out = attn.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r)
       merge_chunks(s, &part[r * chunks * s.heads], &acc[r * chunks * hd], chunks, out + r * hd);
   }
@@ -183,8 +179,8 @@ class FusedDecoder {
   int64_t int4_kernel_;
   int64_t attention_chunks_;  // key chunks per row; 0: by context length and threads
 
-  at::Tensor int4_mm(const at::Tensor& x, const Linear4& w) const {
-    return int4_mm_kernel(x, w.packed, w.scales_zeros, int4_kernel_);
+  at::Tensor int4_mm(const at::Tensor& x, const Linear4& w, bool precise) const {
+    return int4_mm_kernel(x, w.packed, w.scales_zeros, w.planes, int4_kernel_, precise);
   }
 };
 

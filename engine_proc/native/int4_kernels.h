@@ -7,44 +7,103 @@ namespace kvscope {
 
 // ---- 4-bit products ----------------------------------------------------------------------
 // torch's int4 CPU layout (checked at start-up by fused_decode.py, else kernel 0 is used):
-// [N / 64, K, 32] bytes, byte (b, k, j) = code(64 b + j, k) | code(64 b + 32 + j, k) << 4;
-// scales_zeros [K / 32, N, 2] bfloat16, w = (code - 8) * scale + zero.
+// [N / 64, K, 32] bytes, byte (b, k, j) = code(64 b + j, k) | code(64 b + 32 + j, k) << 4.
+// torch's kernel reads scales_zeros [K / 32, N, 2] bfloat16, w = (code - 8) * scale + zero; ours
+// also read the float32 planes [K / 32, 2, N] (scale, low), w = code * scale + low: the 4-bit
+// weights exactly (a GGUF Q4_1 block is float16 d and m, w = q d + m), where bfloat16 moves
+// them by up to ~0.1 of a step.
+//
+// Activations: float32 in, float32 out. Products with bfloat16 dot products (dpbf16ps) see
+// x as its bfloat16 rounding hi (fast: 2^-9 relative error, what torch's kernel does too, and
+// like it the bfloat16 scales), or, precise, as hi + lo with lo = bf16(x - hi): two dot
+// products per weight, 2^-18 relative, and the float32 scales. The portable kernel reads the
+// float32 scales either way.
 enum Int4Kernel : int64_t { kTorch = 0, kPortable = 1, kAvx512Bf16 = 2 };
 
-// Per row r and group g: X[r][g] = sum of the group's bfloat16 activations (float32), so a group
-// contributes scale * sum((code - 8) x) + zero * X.
-std::vector<float> group_sums(const bf16* x, int64_t rows, int64_t k) {
-  std::vector<float> sums(rows * (k / kGroupSize));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < k / kGroupSize; ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < kGroupSize; ++i) s += static_cast<float>(x[r * k + g * kGroupSize + i]);
-      sums[r * (k / kGroupSize) + g] = s;
+// The bfloat16 parts of float32 activations [rows, k]: hi = bf16(x), lo = bf16(x - hi) (left
+// empty unless precise), and per row r and group g the float32 sum of what the products see
+// (hi, or hi + lo), so a group contributes scale * sum(code x) + low * X.
+struct Activations {
+  std::vector<bf16> hi, lo;
+  std::vector<float> sums;
+};
+
+#if KVSCOPE_HAVE_AVX512_BF16
+// One group of 32 (hardware round-to-nearest-even, as c10's conversion): returns its sum.
+inline float split_group(const float* x, bf16* hi, bf16* lo) {
+  __m512 seen = _mm512_setzero_ps();
+  for (int half = 0; half < 2; ++half) {
+    const __m512 v = _mm512_loadu_ps(x + 16 * half);
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + 16 * half), (__m256i)h);
+    __m512 part = _mm512_cvtpbh_ps(h);
+    if (lo != nullptr) {
+      const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, part));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 16 * half), (__m256i)l);
+      part = _mm512_add_ps(part, _mm512_cvtpbh_ps(l));
     }
-  return sums;
+    seen = _mm512_add_ps(seen, part);
+  }
+  return _mm512_reduce_add_ps(seen);
+}
+#endif
+
+inline Activations split_activations(const float* x, int64_t rows, int64_t k, bool precise) {
+  Activations a;
+  const int64_t groups = k / kGroupSize;
+  a.hi.resize(rows * k);
+  if (precise) a.lo.resize(rows * k);
+  a.sums.resize(rows * groups);
+#if KVSCOPE_HAVE_AVX512_BF16
+  at::parallel_for(0, rows * groups, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t * kGroupSize;  // rows * k laid end to end, k a multiple of 32
+      a.sums[t] = split_group(x + i, a.hi.data() + i, precise ? a.lo.data() + i : nullptr);
+    }
+  });
+  return a;
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = r * k + g * kGroupSize; i < r * k + (g + 1) * kGroupSize; ++i) {
+        a.hi[i] = bf16(x[i]);
+        float seen = static_cast<float>(a.hi[i]);
+        if (precise) {
+          a.lo[i] = bf16(x[i] - seen);
+          seen += static_cast<float>(a.lo[i]);
+        }
+        s += seen;
+      }
+      a.sums[r * groups + g] = s;
+    }
+  return a;
 }
 
-// Scalar version of the same arithmetic: runs anywhere (tests check the layout with it).
-void int4_block_portable(const uint8_t* w, const bf16* sz, const bf16* x, const float* xsum,
-                         int64_t rows, int64_t k, int64_t n, int64_t block, bf16* out) {
+// Scalar version of the same arithmetic (float32 products of exact weights with what the
+// dot products see): runs anywhere (tests check the layout with it).
+void int4_block_portable(const uint8_t* w, const float* planes, const float* x, int64_t rows,
+                         int64_t k, int64_t n, int64_t block, bool precise, float* out) {
   const int64_t groups = k / kGroupSize;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < 64; ++j) {
       const int64_t col = block * 64 + j;
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        float d = 0.f;
+        float d = 0.f, sum = 0.f;
         for (int64_t i = 0; i < kGroupSize; ++i) {
           const int64_t kk = g * kGroupSize + i;
           const uint8_t byte = w[(block * k + kk) * 32 + (j % 32)];
           const int code = j < 32 ? (byte & 15) : (byte >> 4);
-          d += static_cast<float>(code - 8) * static_cast<float>(x[r * k + kk]);
+          const float xi = x[r * k + kk];
+          const float hi = static_cast<float>(bf16(xi));
+          const float seen = precise ? hi + static_cast<float>(bf16(xi - hi)) : hi;
+          d += static_cast<float>(code) * seen;
+          sum += seen;
         }
-        const float scale = static_cast<float>(sz[(g * n + col) * 2]);
-        const float zero = static_cast<float>(sz[(g * n + col) * 2 + 1]);
-        acc += scale * d + zero * xsum[r * groups + g];
+        acc += planes[2 * g * n + col] * d + planes[(2 * g + 1) * n + col] * sum;
       }
-      out[r * n + col] = bf16(acc);
+      out[r * n + col] = acc;
     }
   }
 }
@@ -88,18 +147,34 @@ inline __m512i codes_as_bf16(__m512i shifted) {
                                    _mm512_set1_epi32(0x3F803F80), kAndOr);
 }
 
-// A group's scale and zero for 16 columns from `col`: its sum((c - 8) x) scale + zero X is
-// 16 scale D' + (zero - 24 scale) X, D' = X + sum(c x) / 16 (what dpbf16ps accumulates).
+// A group's scale and low for 16 columns from `col`: its sum(code x) scale + low X is
+// 16 scale D' + (low - 16 scale) X, D' = X + sum(code x) / 16 (what dpbf16ps accumulates).
 struct GroupScale {
   __m512 scale16, offset;
 };
 
-inline GroupScale group_scale(const bf16* sz, int64_t g, int64_t n, int64_t col) {
-  const __m512i pairs = _mm512_loadu_si512(sz + (g * n + col) * 2);
-  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-  const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
-  return {_mm512_mul_ps(scale, _mm512_set1_ps(16.f)),
-          _mm512_fmadd_ps(scale, _mm512_set1_ps(-24.f), zero)};
+// The 4-bit matrix's scales, as the precise products read them (float32 planes, exact) or
+// the fast ones (torch's bfloat16 pairs: half the bytes, and the wide steps that take them
+// re-read every group's scales once per four rows).
+struct Scales {
+  const float* planes;  // [K / 32, 2, N] scale, low
+  const bf16* sz;       // [K / 32, N, 2] scale, zero: w = (code - 8) scale + zero
+};
+
+template <bool Exact>
+inline GroupScale group_scale(const Scales& sc, int64_t g, int64_t n, int64_t col) {
+  if constexpr (Exact) {
+    const __m512 scale16 =
+        _mm512_mul_ps(_mm512_loadu_ps(sc.planes + 2 * g * n + col), _mm512_set1_ps(16.f));
+    const __m512 low = _mm512_loadu_ps(sc.planes + (2 * g + 1) * n + col);
+    return {scale16, _mm512_sub_ps(low, scale16)};
+  } else {  // low = zero - 8 scale, so the offset is zero - 24 scale
+    const __m512i pairs = _mm512_loadu_si512(sc.sz + (g * n + col) * 2);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+    return {_mm512_mul_ps(scale, _mm512_set1_ps(16.f)),
+            _mm512_fmadd_ps(scale, _mm512_set1_ps(-24.f), zero)};
+  }
 }
 
 inline __m512 fold_group(const GroupScale& gs, __m512 d, float xsum, __m512 acc) {
@@ -107,26 +182,53 @@ inline __m512 fold_group(const GroupScale& gs, __m512 d, float xsum, __m512 acc)
   return _mm512_fmadd_ps(gs.offset, _mm512_set1_ps(xsum), acc);
 }
 
-inline void store_bf16(bf16* out, __m512 acc) {  // rounded to bfloat16 as torch's kernel does
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(acc));
+// d += codes . (x[kk], x[kk + 1]) for the hi parts, and dl for the lo parts when Lo (a chain
+// of its own: one chain taking both would wait on the dot product's latency).
+template <bool Lo>
+inline void dot_pair(__m512& d, __m512& dl, __m512i codes, const bf16* hi, const bf16* lo) {
+  int32_t pair;
+  std::memcpy(&pair, hi, sizeof(pair));
+  d = _mm512_dpbf16_ps(d, (__m512bh)codes, (__m512bh)_mm512_set1_epi32(pair));
+  if constexpr (Lo) {
+    std::memcpy(&pair, lo, sizeof(pair));
+    dl = _mm512_dpbf16_ps(dl, (__m512bh)codes, (__m512bh)_mm512_set1_epi32(pair));
+  }
 }
+
+// The group's D' from its chains.
+template <bool Lo>
+inline __m512 chains(__m512 d, __m512 dl) {
+  if constexpr (Lo) return _mm512_add_ps(d, dl);
+  return d;
+}
+
+// The bfloat16 activations of one call: rows of k, hi and (when Lo) lo parts, group sums.
+struct Bf16Rows {
+  const bf16* hi;
+  const bf16* lo;
+  const float* sums;
+  int64_t k;
+  Bf16Rows from(int64_t r) const {
+    return {hi + r * k, lo ? lo + r * k : nullptr, sums + r * (k / kGroupSize), k};
+  }
+};
 
 // One 64-column block for up to two rows: per pair of inputs (k, k+1), the 64 columns' codes
 // become four registers of 16 columns x 2 bfloat16 values 1 + c / 16 (exact), multiplied with
 // the broadcast activation pair by dpbf16ps into D' = X + sum(c x) / 16 per group. A group then
-// adds scale * sum((c - 8) x) + zero * X = 16 scale * D' + (zero - 24 scale) * X in float32.
-template <int R>
-void int4_block_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const float* xsum,
-                       int64_t k, int64_t n, int64_t block, bf16* out) {
-  const int64_t groups = k / kGroupSize;
+// adds scale * sum(c x) + low * X = 16 scale * D' + (low - 16 scale) * X in float32.
+template <int R, bool Lo>
+void int4_block_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int64_t n,
+                       int64_t block, float* out) {
+  const int64_t k = x.k, groups = k / kGroupSize;
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
   const uint8_t* wb = w + block * k * 32;
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 d[R][4];
+    __m512 d[R][4], dl[R][4];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 4; ++i) d[r][i] = _mm512_setzero_ps();
+      for (int i = 0; i < 4; ++i) d[r][i] = dl[r][i] = _mm512_setzero_ps();
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
       const uint8_t* b0 = wb + kk * 32;  // input kk: 32 bytes; input kk + 1 follows
       __m512i codes[4];
@@ -137,100 +239,109 @@ void int4_block_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const fl
         codes[2 + h] = codes_as_bf16(_mm512_srli_epi32(both, 1));  // high: cols 32 + 16h..
       }
       for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * k + kk, sizeof(pair));
-        const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
-        for (int i = 0; i < 4; ++i) d[r][i] = _mm512_dpbf16_ps(d[r][i], (__m512bh)codes[i], xp);
+        const bf16* lo = Lo ? x.lo + r * k + kk : nullptr;
+        for (int i = 0; i < 4; ++i) dot_pair<Lo>(d[r][i], dl[r][i], codes[i], x.hi + r * k + kk, lo);
       }
     }
     for (int i = 0; i < 4; ++i) {
-      const GroupScale gs = group_scale(sz, g, n, block * 64 + 16 * i);
-      for (int r = 0; r < R; ++r) acc[r][i] = fold_group(gs, d[r][i], xsum[r * groups + g], acc[r][i]);
+      const GroupScale gs = group_scale<Lo>(sc, g, n, block * 64 + 16 * i);
+      for (int r = 0; r < R; ++r)
+        acc[r][i] = fold_group(gs, chains<Lo>(d[r][i], dl[r][i]), x.sums[r * groups + g], acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) store_bf16(out + r * n + block * 64 + 16 * i, acc[r][i]);
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + r * n + block * 64 + 16 * i, acc[r][i]);
 }
 
 // Half h of a 64-column block, columns 16h..16h+15 (low nibbles of bytes 16h..16h+15) and
-// 32+16h..32+16h+15 (their high nibbles), for R rows: per pair of inputs (k, k+1) the 32
-// columns' codes become two registers of 16 columns x 2 bfloat16 values 1 + c / 16 (exact),
-// multiplied with each row's broadcast activation pair by dpbf16ps into D' = X + sum(c x) / 16
-// per group. A group then adds scale * sum((c - 8) x) + zero * X = 16 scale * D' +
-// (zero - 24 scale) * X in float32. Halves rather than whole blocks leave registers for four
-// rows, so each decoded code register feeds four products instead of two (decoding the codes
-// was this kernel's bottleneck at 16 rows).
-template <int R>
-void int4_half_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const float* xsum,
-                      int64_t k, int64_t n, int64_t block, int h, bf16* out) {
-  const int64_t groups = k / kGroupSize;
+// 32+16h..32+16h+15 (their high nibbles), for R rows, with the arithmetic of the whole-block
+// version above. Halves rather than whole blocks leave registers for four rows, so each
+// decoded code register feeds four products instead of two (decoding the codes was this
+// kernel's bottleneck at 16 rows).
+template <int R, bool Lo>
+void int4_half_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int64_t n,
+                      int64_t block, int h, float* out) {
+  const int64_t k = x.k, groups = k / kGroupSize;
   const int64_t col[2] = {block * 64 + 16 * h, block * 64 + 32 + 16 * h};
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const uint8_t* wb = w + block * k * 32;
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 d[R][2];
-    for (int r = 0; r < R; ++r) d[r][0] = d[r][1] = _mm512_setzero_ps();
+    __m512 d[R][2], dl[R][2];
+    for (int r = 0; r < R; ++r) d[r][0] = d[r][1] = dl[r][0] = dl[r][1] = _mm512_setzero_ps();
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
       // 32-bit lane j: byte 16h + j of input kk in bits 0..7, of input kk + 1 in bits 16..23
       const __m512i both = pair_bytes(wb + kk * 32, h);
-      const __m512i lo = codes_as_bf16(_mm512_slli_epi32(both, 3));
-      const __m512i hi = codes_as_bf16(_mm512_srli_epi32(both, 1));
+      const __m512i lo_cols = codes_as_bf16(_mm512_slli_epi32(both, 3));
+      const __m512i hi_cols = codes_as_bf16(_mm512_srli_epi32(both, 1));
       for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * k + kk, sizeof(pair));
-        const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
-        d[r][0] = _mm512_dpbf16_ps(d[r][0], (__m512bh)lo, xp);
-        d[r][1] = _mm512_dpbf16_ps(d[r][1], (__m512bh)hi, xp);
+        const bf16* xh = x.hi + r * k + kk;
+        const bf16* xl = Lo ? x.lo + r * k + kk : nullptr;
+        dot_pair<Lo>(d[r][0], dl[r][0], lo_cols, xh, xl);
+        dot_pair<Lo>(d[r][1], dl[r][1], hi_cols, xh, xl);
       }
     }
     for (int i = 0; i < 2; ++i) {
-      const GroupScale gs = group_scale(sz, g, n, col[i]);
-      for (int r = 0; r < R; ++r) acc[r][i] = fold_group(gs, d[r][i], xsum[r * groups + g], acc[r][i]);
+      const GroupScale gs = group_scale<Lo>(sc, g, n, col[i]);
+      for (int r = 0; r < R; ++r)
+        acc[r][i] = fold_group(gs, chains<Lo>(d[r][i], dl[r][i]), x.sums[r * groups + g], acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 2; ++i) store_bf16(out + r * n + col[i], acc[r][i]);
+    for (int i = 0; i < 2; ++i) _mm512_storeu_ps(out + r * n + col[i], acc[r][i]);
 }
 
 // One 64-column block for every row: rows in fours by halves, then the rest (at most three)
 // by whole blocks in pairs, which decode each code register once for both halves' rows.
-void int4_rows_avx512(const uint8_t* w, const bf16* sz, const bf16* x, const float* xsum,
-                      int64_t rows, int64_t k, int64_t n, int64_t block, bf16* out) {
-  const int64_t groups = k / kGroupSize;
+template <bool Lo>
+void int4_rows_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int64_t rows,
+                      int64_t n, int64_t block, float* out) {
   const int64_t fours = rows / 4 * 4;
   for (int h = 0; h < 2; ++h)
     for (int64_t r = 0; r < fours; r += 4)
-      int4_half_avx512<4>(w, sz, x + r * k, xsum + r * groups, k, n, block, h, out + r * n);
+      int4_half_avx512<4, Lo>(w, sc, x.from(r), n, block, h, out + r * n);
   int64_t r = fours;
-  for (; r + 2 <= rows; r += 2)
-    int4_block_avx512<2>(w, sz, x + r * k, xsum + r * groups, k, n, block, out + r * n);
-  if (r < rows) int4_block_avx512<1>(w, sz, x + r * k, xsum + r * groups, k, n, block, out + r * n);
+  for (; r + 2 <= rows; r += 2) int4_block_avx512<2, Lo>(w, sc, x.from(r), n, block, out + r * n);
+  if (r < rows) int4_block_avx512<1, Lo>(w, sc, x.from(r), n, block, out + r * n);
 }
 #endif
 
+// x [rows, K] float32 times a 4-bit weight -> float32 [rows, N]. precise: see the top of
+// this file (torch's kernel, kTorch, has bfloat16 activations and output either way).
 at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
-                          int64_t kernel) {
-  if (kernel == kTorch) return at::_weight_int4pack_mm_for_cpu(x, packed, kGroupSize, sz);
-  const int64_t rows = x.size(0), k = x.size(1), n = sz.size(1);
+                          const at::Tensor& planes, int64_t kernel, bool precise) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "float32 contiguous activations");
+  if (kernel == kTorch)
+    return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), packed, kGroupSize, sz).to(at::kFloat);
+  const int64_t rows = x.size(0), k = x.size(1), n = planes.size(2);
   TORCH_CHECK(n % 64 == 0 && k % kGroupSize == 0, "4-bit kernel needs N % 64 == 0, K % 32 == 0");
+  TORCH_CHECK(planes.scalar_type() == at::kFloat && planes.size(0) == k / kGroupSize &&
+                  planes.size(1) == 2 && planes.is_contiguous(),
+              "planes: float32 [K / 32, 2, N]");
   at::Tensor out = at::empty({rows, n}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const bf16* s = sz.data_ptr<bf16>();
-  const bf16* xp = x.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  const std::vector<float> xsum = group_sums(xp, rows, k);
-  at::parallel_for(0, n / 64, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
+  const float* pl = planes.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
 #if KVSCOPE_HAVE_AVX512_BF16
-      if (kernel == kAvx512Bf16) {
-        int4_rows_avx512(w, s, xp, xsum.data(), rows, k, n, b, op);
-        continue;
+  if (kernel == kAvx512Bf16) {
+    const Activations a = split_activations(xp, rows, k, precise);
+    const Bf16Rows xr{a.hi.data(), precise ? a.lo.data() : nullptr, a.sums.data(), k};
+    const Scales sc{pl, sz.data_ptr<bf16>()};
+    at::parallel_for(0, n / 64, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        if (precise)
+          int4_rows_avx512<true>(w, sc, xr, rows, n, b, op);
+        else
+          int4_rows_avx512<false>(w, sc, xr, rows, n, b, op);
       }
+    });
+    return out;
+  }
 #endif
-      TORCH_CHECK(kernel == kPortable, "4-bit kernel ", kernel, " is not compiled in");
-      int4_block_portable(w, s, xp, xsum.data(), rows, k, n, b, op);
-    }
+  TORCH_CHECK(kernel == kPortable, "4-bit kernel ", kernel, " is not compiled in");
+  at::parallel_for(0, n / 64, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) int4_block_portable(w, pl, xp, rows, k, n, b, precise, op);
   });
   return out;
 }
