@@ -129,11 +129,13 @@ class ModelRunner:
         """Logits [num_sampling_seqs, vocab] (float32) and the sequences they belong to."""
         self.copy_blocks(batch.block_copies)
         step = self.prepare(batch)
+        compute_logits = self.model.compute_logits
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             hidden = self.decode_graphs.run(step)
             self.num_graph_steps += 1
         elif (fused := self.fused.ready()) is not None and fused.can_run(step.meta):
             hidden = fused.forward(step.input_ids, step.positions, self.kv_cache, step.meta)
+            compute_logits = fused.compute_logits  # as precise as the step's products
             self.num_fused_steps += 1
         else:
             hidden = self.model.forward(
@@ -141,4 +143,4 @@ class ModelRunner:
             )
         if not step.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
-        return self.model.compute_logits(hidden[step.logits_indices]), step.sampling_seqs
+        return compute_logits(hidden[step.logits_indices]), step.sampling_seqs

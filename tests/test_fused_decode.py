@@ -324,3 +324,40 @@ def test_fused_decoding_with_an_8bit_head_follows_the_float64_reference(extensio
     check_greedy_decoding_against_reference(
         engine, engine.model.native_bf16, ck, 0, decode_products=_products(step, 3)
     )
+
+
+@pytest.mark.slow
+def test_the_wide_8bit_head_is_the_bf16_activation_product(extension):
+    if not extension.q8_bf16_available():
+        pytest.skip("the bfloat16 8-bit head needs AVX512-BF16")
+    weight = q8_matrix(96, 128, seed=4)
+    codes, scales = extension.q8_pack(weight)
+    hidden = torch.randn(13, 128, generator=torch.Generator().manual_seed(5))  # 6 + 6 + 1 rows
+    got = extension.q8_bf16_logits(hidden, codes, scales).double()
+    x64, w64 = bf16_round(hidden.double()), weight.double()
+    # float32 sums of exact products (bf16 x, exact 8-bit codes), then times the group scales
+    assert_within(got, x64 @ w64.t(), 2**-19 * (x64.abs() @ w64.abs().t()))
+    alone = [extension.q8_bf16_logits(hidden[i : i + 1], codes, scales) for i in range(13)]
+    assert torch.equal(torch.cat(alone).double(), got)
+
+
+@pytest.mark.slow
+def test_only_wide_fused_steps_take_their_logits_from_bf16_activations(extension):
+    engine = _engine("fused", checkpoint=q8_head_checkpoint())
+    step = engine.runner.fused.step
+    if step.wide_head is None:
+        pytest.skip("the bfloat16 8-bit head needs AVX512-BF16 (and a CPU that has it natively)")
+    calls: list[int] = []
+    wide_head = step.wide_head
+
+    def counting(hidden):
+        calls.append(hidden.shape[0])
+        return wide_head(hidden)
+
+    step.wide_head = counting
+    prompts = [list(range(5, 12)), list(range(20, 31)), [3] * 9]
+    engine.generate(prompts, fd_params())  # 3 rows a step: precise, the exact head
+    assert calls == []
+    step.precise_rows = 2
+    engine.generate(prompts, fd_params())  # every decode step is wide now
+    assert calls == [3, 3, 3]  # fd_params: 4 tokens, the first from the (eager) prefill

@@ -201,4 +201,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm_kernel, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_pack", &q8_pack, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_logits", &q8_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q8_bf16_available", &q8_bf16_available);
+  m.def("q8_bf16_logits", &q8_bf16_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

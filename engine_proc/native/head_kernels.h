@@ -200,4 +200,94 @@ at::Tensor q8_logits(const at::Tensor& hidden, const at::Tensor& codes, const at
   return out;
 }
 
+// ---- The 8-bit output projection with bfloat16 activations (wide decode steps) ------------
+// The same exact 8-bit codes, multiplied with the hidden state rounded to bfloat16 by dot
+// products (dpbf16ps, twice the float32 FMA's products per instruction). Per block of 16
+// outputs the codes are widened once into bfloat16 pairs (k, k + 1) per output, exact, in a
+// buffer of K / 2 x 16 pairs that stays in L1 while every row passes over it.
+#if KVSCOPE_HAVE_AVX512_BF16
+// codes [K, 16] int8 of one block -> pairs [K / 2][16] of (code k, code k + 1) as bfloat16.
+inline void widen_q8_block(const int8_t* c, int64_t k, __m512i* pairs) {
+  constexpr int kOrAnd = 0xF8;  // vpternlogd truth table of a | (b & c)
+  for (int64_t kk = 0; kk < k; kk += 2) {
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kk * 16))));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (kk + 1) * 16))));
+    // small integers are exact in bfloat16: a float32's top 16 bits
+    pairs[kk / 2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
+                                              _mm512_castps_si512(b),
+                                              _mm512_set1_epi32(static_cast<int>(0xFFFF0000)), kOrAnd);
+  }
+}
+
+// B blocks of 16 outputs (pairs[b], scales d[b], out + 16 b) of R rows (x: bfloat16 rows of
+// K): per group of 32, 16 dot products per row and block into a chain of their own, then
+// times the 16 group scales. Each broadcast activation pair feeds B products, each widened
+// code register R.
+template <int R, int B>
+void q8_bf16_rows(const __m512i* const* pairs, const float* const* d, const bf16* x, int64_t k,
+                  float* out, int64_t ld) {
+  const int64_t groups = k / kGroupSize;
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_ps();
+    for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
+      __m512bh w[B];
+      for (int b = 0; b < B; ++b) w[b] = (__m512bh)pairs[b][kk / 2];
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * k + kk, sizeof(pair));
+        const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
+        for (int b = 0; b < B; ++b) part[r][b] = _mm512_dpbf16_ps(part[r][b], w[b], xp);
+      }
+    }
+    for (int b = 0; b < B; ++b) {
+      const __m512 scale = _mm512_loadu_ps(d[b] + g * 16);
+      for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(scale, part[r][b], acc[r][b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + r * ld + 16 * b, acc[r][b]);
+}
+#endif
+
+bool q8_bf16_available() { return KVSCOPE_HAVE_AVX512_BF16 != 0; }
+
+// Logits [rows, N] float32 = bf16(hidden) [rows, K] x the exact 8-bit weight, float32 sums.
+at::Tensor q8_bf16_logits(const at::Tensor& hidden, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(q8_bf16_available(), "q8_bf16_logits needs AVX512-BF16");
+  const at::Tensor xh = hidden.to(at::kBFloat16).contiguous();
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(2) == 16, "q8 codes [N / 16, K, 16]");
+  const int64_t rows = xh.size(0), k = xh.size(1), blocks = codes.size(0), groups = k / kGroupSize;
+  TORCH_CHECK(codes.size(1) == k && k % kGroupSize == 0, "q8 codes [N / 16, K, 16], K % 32 == 0");
+  at::Tensor out = at::empty({rows, blocks * 16}, at::kFloat);
+#if KVSCOPE_HAVE_AVX512_BF16
+  const bf16* xp = xh.data_ptr<bf16>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  TORCH_CHECK(blocks % 2 == 0, "q8_bf16_logits: N % 32 == 0");
+  at::parallel_for(0, blocks / 2, 8, [&](int64_t p0, int64_t p1) {  // pairs of blocks
+    std::vector<__m512i> buffer(k);
+    const __m512i* pairs[2] = {buffer.data(), buffer.data() + k / 2};
+    const int64_t ld = blocks * 16;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = 2 * p;
+      widen_q8_block(cp + b * k * 16, k, buffer.data());
+      widen_q8_block(cp + (b + 1) * k * 16, k, buffer.data() + k / 2);
+      const float* d[2] = {sp + b * groups * 16, sp + (b + 1) * groups * 16};
+      float* o = op + b * 16;
+      int64_t r = 0;
+      for (; r + 6 <= rows; r += 6) q8_bf16_rows<6, 2>(pairs, d, xp + r * k, k, o + r * ld, ld);
+      for (; r + 3 <= rows; r += 3) q8_bf16_rows<3, 2>(pairs, d, xp + r * k, k, o + r * ld, ld);
+      for (; r < rows; ++r) q8_bf16_rows<1, 2>(pairs, d, xp + r * k, k, o + r * ld, ld);
+    }
+  });
+#endif
+  return out;
+}
+
 }  // namespace kvscope
