@@ -144,8 +144,9 @@ def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
 
 
 # 4-bit product kernels (the C++ Int4Kernel enum, in order): torch's own; ours, reading torch's
-# packed layout: portable scalar code (any CPU; slow, for tests) or AVX512-BF16 dot products.
-INT4_KERNELS = ("torch", "portable", "avx512_bf16")
+# packed layout: portable scalar code (any CPU; slow, for tests), AVX512-BF16 dot products, or
+# AVX2 float32 FMAs (CPUs without AVX512-BF16: precise steps only, wider ones on torch's).
+INT4_KERNELS = ("torch", "portable", "avx512_bf16", "avx2_fp32")
 # Rows of one extension call (a wider decode step makes several). Measured at 64 streams on 2
 # cores: 64 rows a call 616 tok/s, 16 rows a call 517 (the products' threads share more work).
 ROWS_PER_CALL = 64
@@ -174,16 +175,18 @@ def torch_int4_layout_is_known() -> bool:
 
 def pick_int4_kernel(model: LlamaModel, module: ModuleType) -> str:
     """avx512_bf16 where compiled in, allowed (model.native_bf16), the layout is torch's
-    known one and every 4-bit matrix has a multiple of 64 outputs; else torch's kernel."""
+    known one and every 4-bit matrix has a multiple of 64 outputs; else avx2_fp32 where
+    compiled in (and the rest holds); else torch's kernel."""
     shapes_fit = all(
         w is not None and w.out_features % 64 == 0
         for layer in model.layers
         for w in (layer.qkv_int4, layer.o_int4, layer.gate_up_int4, layer.down_int4)
     )
-    if model.native_bf16 and module.has_avx512_bf16() and shapes_fit:
-        if torch_int4_layout_is_known():
-            return "avx512_bf16"
-    return "torch"
+    if not shapes_fit or not torch_int4_layout_is_known():
+        return "torch"
+    if model.native_bf16 and module.has_avx512_bf16():
+        return "avx512_bf16"
+    return "avx2_fp32" if module.has_avx2() else "torch"
 
 
 def _linear(w: Int4Weight | None, bias: torch.Tensor | None) -> list[torch.Tensor]:

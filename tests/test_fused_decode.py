@@ -136,15 +136,18 @@ def extension():
 
 
 def _kernels(module) -> list[str]:
-    """Our 4-bit kernels this build has: the portable one always, AVX512-BF16 where compiled."""
-    return ["portable", "avx512_bf16"] if module.has_avx512_bf16() else ["portable"]
+    """Our 4-bit kernels this build has: the portable one always, the others where compiled."""
+    has = {"avx512_bf16": module.has_avx512_bf16(), "avx2_fp32": module.has_avx2()}
+    return ["portable", *(k for k, compiled in has.items() if compiled)]
 
 
 def _products(step: fd.FusedDecodeStep, rows: int) -> str:
     """What a fused step of ``rows`` rows computes (tests/test_int4.py: DECODE_PRODUCTS)."""
     if step.int4_kernel == "torch":
         return "bf16"
-    return "exact" if rows <= step.precise_rows else "bf16_in"
+    if rows <= step.precise_rows:
+        return "exact"
+    return "bf16" if step.int4_kernel == "avx2_fp32" else "bf16_in"  # AVX2: torch's kernel
 
 
 def _int4_mm(extension, x, packed, kernel: str, precise: bool) -> torch.Tensor:
@@ -168,6 +171,8 @@ def test_our_int4_kernels_are_the_float32_or_bf16_activation_product(extension, 
              (False, weight, bf16_round(x.double()), 0)]  # fmt: skip
     for kernel in _kernels(extension):
         for precise, w, x64, rel in cases:
+            if kernel == "avx2_fp32":  # float32 products either way
+                x64, rel = x.double(), 2**-18
             packed, w64 = quantize_int4(w), w.double()
             got = _int4_mm(extension, x, packed, kernel, precise)
             assert got.dtype == torch.float32

@@ -5,7 +5,7 @@ parity_references) on the parity prompts of tests/test_hf_parity.py, 48 tokens.
 The fused decode step (the app's CPU default) on our 4-bit kernels: narrow steps take the
 activations as bfloat16 pairs and the GGUF's scales exactly, so they compute the dense model's
 float32 products (to 2^-18): measured 8 of 8 replies identical to the dense ones, all eight at
-once and one at a time (AVX-512 bf16 CPU; other CPUs run torch's kernel, below).
+once and one at a time (AVX-512 bf16 CPU; built for AVX2 only, its float32 kernel: the same).
 
 The eager int4 path (and the fused step on torch's 4-bit kernel) holds the GGUF's own Q4_1
 codes with bfloat16 activations (and bf16-rounded scales), here all eight at once under both
@@ -95,7 +95,7 @@ def test_fused_int4_replies_are_the_dense_models(default_checkpoint, parity_refe
     step = engine.runner.fused.step
     assert step is not None
     if step.int4_kernel == "torch":
-        pytest.skip("our 4-bit kernels need AVX512-BF16; torch's has bfloat16 activations")
+        pytest.skip("our 4-bit kernels need AVX2; torch's has bfloat16 activations")
     params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0)
     together = [o.token_ids for o in engine.generate(prompt_ids, params)]
     alone = [engine.generate([p], params)[0].token_ids for p in prompt_ids]

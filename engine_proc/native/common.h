@@ -12,13 +12,18 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define KVSCOPE_HAVE_AVX512_BF16 1
 #else
 #define KVSCOPE_HAVE_AVX512_BF16 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVSCOPE_HAVE_AVX2 1
+#else
+#define KVSCOPE_HAVE_AVX2 0
 #endif
 
 namespace kvscope {

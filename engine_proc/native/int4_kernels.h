@@ -18,7 +18,9 @@ namespace kvscope {
 // like it the bfloat16 scales), or, precise, as hi + lo with lo = bf16(x - hi): two dot
 // products per weight, 2^-18 relative, and the float32 scales. The portable kernel reads the
 // float32 scales either way.
-enum Int4Kernel : int64_t { kTorch = 0, kPortable = 1, kAvx512Bf16 = 2 };
+// The AVX2 kernel (kAvx2Fp32) multiplies float32 activations with weights dequantized in
+// registers from the float32 planes: float32 products at any width, so `precise` is moot.
+enum Int4Kernel : int64_t { kTorch = 0, kPortable = 1, kAvx512Bf16 = 2, kAvx2Fp32 = 3 };
 
 // The bfloat16 parts of float32 activations [rows, k]: hi = bf16(x), lo = bf16(x - hi) (left
 // empty unless precise), and per row r and group g the float32 sum of what the products see
@@ -306,6 +308,51 @@ void int4_rows_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int
 }
 #endif
 
+#if KVSCOPE_HAVE_AVX2
+// Columns 8q..8q+7 and 32+8q..32+8q+7 of one 64-column block (the low and high nibbles of
+// bytes 8q..8q+7 of each input) for R rows: per input, the 16 weights dequantized once
+// (code * scale + low, one FMA per 8) and multiplied with each row's activation.
+template <int R>
+void int4_quarter_avx2(const uint8_t* w, const float* planes, const float* x, int64_t k,
+                       int64_t n, int64_t block, int q, float* out) {
+  const int64_t groups = k / kGroupSize;
+  const int64_t col[2] = {block * 64 + 8 * q, block * 64 + 32 + 8 * q};
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const uint8_t* wb = w + block * k * 32 + 8 * q;
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* scale = planes + 2 * g * n;
+    const float* low = planes + (2 * g + 1) * n;
+    const __m256 s0 = _mm256_loadu_ps(scale + col[0]), s1 = _mm256_loadu_ps(scale + col[1]);
+    const __m256 l0 = _mm256_loadu_ps(low + col[0]), l1 = _mm256_loadu_ps(low + col[1]);
+    for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; ++kk) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + kk * 32)));
+      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), s0, l0);
+      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), s1, l1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * k + kk);
+        acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * n + col[0], acc[r][0]);
+    _mm256_storeu_ps(out + r * n + col[1], acc[r][1]);
+  }
+}
+
+void int4_rows_avx2(const uint8_t* w, const float* planes, const float* x, int64_t rows,
+                    int64_t k, int64_t n, int64_t block, float* out) {
+  for (int q = 0; q < 4; ++q) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) int4_quarter_avx2<4>(w, planes, x + r * k, k, n, block, q, out + r * n);
+    for (; r < rows; ++r) int4_quarter_avx2<1>(w, planes, x + r * k, k, n, block, q, out + r * n);
+  }
+}
+#endif
+
 // x [rows, K] float32 times a 4-bit weight -> float32 [rows, N]. precise: see the top of
 // this file (torch's kernel, kTorch, has bfloat16 activations and output either way).
 at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
@@ -335,6 +382,14 @@ at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const a
         else
           int4_rows_avx512<false>(w, sc, xr, rows, n, b, op);
       }
+    });
+    return out;
+  }
+#endif
+#if KVSCOPE_HAVE_AVX2
+  if (kernel == kAvx2Fp32) {
+    at::parallel_for(0, n / 64, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) int4_rows_avx2(w, pl, xp, rows, k, n, b, op);
     });
     return out;
   }
