@@ -130,6 +130,89 @@ inline void attend_chunk(const StepShape& s, const float* q, const float* k_cach
   }
 }
 
+#if defined(__AVX512F__)
+// attend_chunk for heads of V x 16 floats and G query heads per KV head: a KV head's G
+// queries stay in registers while its keys stream past, and its G outputs accumulate in
+// registers while its values do (the generic version reloads and stores every head's
+// accumulator for every key).
+template <int V, int G>
+void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
+                       const float* v_cache, const int32_t* table, int64_t seq_len, int64_t b0,
+                       int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
+  constexpr int64_t d = 16 * V;
+  const int64_t bs = s.block_size, slot_stride = s.kv_heads * d;
+  const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
+  scores_buf.resize(s.heads * n);
+  float* scores = scores_buf.data();  // [heads, n]
+  for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+    const int64_t h0 = kvh * G;
+    __m512 qr[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < V; ++v) qr[g][v] = _mm512_loadu_ps(q + (h0 + g) * d + 16 * v);
+    for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
+      const float* block = k_cache + static_cast<int64_t>(table[b]) * bs * slot_stride + kvh * d;
+      const int64_t m = std::min(bs, n - j);
+      for (int64_t o = 0; o < m; ++o) {
+        __m512 kr[V];
+        for (int v = 0; v < V; ++v) kr[v] = _mm512_loadu_ps(block + o * slot_stride + 16 * v);
+        for (int g = 0; g < G; ++g) {
+          __m512 t = _mm512_mul_ps(qr[g][0], kr[0]);
+          for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(qr[g][v], kr[v], t);
+          scores[(h0 + g) * n + j + o] = _mm512_reduce_add_ps(t) * s.scale;
+        }
+      }
+      j += m;
+    }
+  }
+  for (int64_t h = 0; h < s.heads; ++h) {
+    float* sc = scores + h * n;
+    part[h].max = *std::max_element(sc, sc + n);
+    part[h].sum = exp_sum(sc, n, part[h].max);
+  }
+  for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+    const int64_t h0 = kvh * G;
+    __m512 a[G][V];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < V; ++v) a[g][v] = _mm512_setzero_ps();
+    for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
+      const float* block = v_cache + static_cast<int64_t>(table[b]) * bs * slot_stride + kvh * d;
+      const int64_t m = std::min(bs, n - j);
+      for (int64_t o = 0; o < m; ++o) {
+        __m512 vr[V];
+        for (int v = 0; v < V; ++v) vr[v] = _mm512_loadu_ps(block + o * slot_stride + 16 * v);
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[(h0 + g) * n + j + o]);
+          for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, vr[v], a[g][v]);
+        }
+      }
+      j += m;
+    }
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (h0 + g) * d + 16 * v, a[g][v]);
+  }
+}
+#endif
+
+using AttendChunk = void (*)(const StepShape&, const float*, const float*, const float*,
+                             const int32_t*, int64_t, int64_t, int64_t, Partial*, float*,
+                             std::vector<float>&);
+
+// The attention of one chunk for this shape: the register version where its G x V
+// accumulators fit (heads of 16, 32 or 64 floats, up to 4 query heads per KV head), else the
+// generic one.
+inline AttendChunk pick_attend_chunk(const StepShape& s) {
+#if defined(__AVX512F__)
+  const int64_t group = s.heads / s.kv_heads;
+  constexpr AttendChunk table[3][4] = {
+      {attend_chunk_regs<1, 1>, attend_chunk_regs<1, 2>, attend_chunk_regs<1, 3>, attend_chunk_regs<1, 4>},
+      {attend_chunk_regs<2, 1>, attend_chunk_regs<2, 2>, attend_chunk_regs<2, 3>, attend_chunk_regs<2, 4>},
+      {attend_chunk_regs<4, 1>, attend_chunk_regs<4, 2>, attend_chunk_regs<4, 3>, attend_chunk_regs<4, 4>}};
+  const int row = s.head_dim == 16 ? 0 : s.head_dim == 32 ? 1 : s.head_dim == 64 ? 2 : -1;
+  if (row >= 0 && group >= 1 && group <= 4) return table[row][group - 1];
+#endif
+  return attend_chunk;
+}
+
 // Rotary on the row's query heads and keys; the new K/V written at its slot (if any).
 inline void rope_and_write(const StepShape& s, const float* qkv_row, const float* cos,
                            const float* sin, float* k_cache, float* v_cache, int64_t slot,

@@ -154,6 +154,7 @@ class FusedDecoder {
         attention_chunks_ > 0 ? attention_chunks_ : work < (1 << 17) ? 1 : at::get_num_threads();
     std::vector<Partial> part(rows * chunks * s.heads);
     std::vector<float> acc(rows * chunks * hd);
+    const auto attend = pick_attend_chunk(s);
     at::parallel_for(0, rows * chunks, chunks > 1 ? 1 : rows, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores;
       for (int64_t t = t0; t < t1; ++t) {
@@ -162,8 +163,8 @@ class FusedDecoder {
         const int64_t per = (blocks + chunks - 1) / chunks;
         const int64_t b0 = c * per, b1 = std::min(blocks, b0 + per);
         if (b0 < b1)
-          attend_chunk(s, &q[r * hd], k_cache, v_cache, tables + r * s.max_blocks, lens[r], b0,
-                       b1, &part[t * s.heads], &acc[t * hd], scores);
+          attend(s, &q[r * hd], k_cache, v_cache, tables + r * s.max_blocks, lens[r], b0, b1,
+                 &part[t * s.heads], &acc[t * hd], scores);
       }
     });
     float* out = attn.data_ptr<float>();

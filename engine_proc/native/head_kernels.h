@@ -207,15 +207,17 @@ at::Tensor q8_logits(const at::Tensor& hidden, const at::Tensor& codes, const at
 // buffer of K / 2 x 16 pairs that stays in L1 while every row passes over it.
 #if KVSCOPE_HAVE_AVX512_BF16
 // codes [K, 16] int8 of one block -> pairs [K / 2][16] of (code k, code k + 1) as bfloat16.
-inline void widen_q8_block(const int8_t* c, int64_t k, __m512i* pairs) {
+inline void widen_q8_block(const int8_t* c, int64_t k, int32_t* pairs) {
   constexpr int kOrAnd = 0xF8;  // vpternlogd truth table of a | (b & c)
   for (int64_t kk = 0; kk < k; kk += 2) {
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kk * 16))));
     const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (kk + 1) * 16))));
     // small integers are exact in bfloat16: a float32's top 16 bits
-    pairs[kk / 2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
-                                              _mm512_castps_si512(b),
-                                              _mm512_set1_epi32(static_cast<int>(0xFFFF0000)), kOrAnd);
+    _mm512_storeu_si512(pairs + kk / 2 * 16,
+                        _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
+                                                  _mm512_castps_si512(b),
+                                                  _mm512_set1_epi32(static_cast<int>(0xFFFF0000)),
+                                                  kOrAnd));
   }
 }
 
@@ -224,7 +226,7 @@ inline void widen_q8_block(const int8_t* c, int64_t k, __m512i* pairs) {
 // times the 16 group scales. Each broadcast activation pair feeds B products, each widened
 // code register R.
 template <int R, int B>
-void q8_bf16_rows(const __m512i* const* pairs, const float* const* d, const bf16* x, int64_t k,
+void q8_bf16_rows(const int32_t* const* pairs, const float* const* d, const bf16* x, int64_t k,
                   float* out, int64_t ld) {
   const int64_t groups = k / kGroupSize;
   __m512 acc[R][B];
@@ -236,7 +238,7 @@ void q8_bf16_rows(const __m512i* const* pairs, const float* const* d, const bf16
       for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_ps();
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
       __m512bh w[B];
-      for (int b = 0; b < B; ++b) w[b] = (__m512bh)pairs[b][kk / 2];
+      for (int b = 0; b < B; ++b) w[b] = (__m512bh)_mm512_loadu_si512(pairs[b] + kk / 2 * 16);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, x + r * k + kk, sizeof(pair));
@@ -271,13 +273,13 @@ at::Tensor q8_bf16_logits(const at::Tensor& hidden, const at::Tensor& codes, con
   float* op = out.data_ptr<float>();
   TORCH_CHECK(blocks % 2 == 0, "q8_bf16_logits: N % 32 == 0");
   at::parallel_for(0, blocks / 2, 8, [&](int64_t p0, int64_t p1) {  // pairs of blocks
-    std::vector<__m512i> buffer(k);
-    const __m512i* pairs[2] = {buffer.data(), buffer.data() + k / 2};
+    std::vector<int32_t> buffer(k * 16);  // two blocks' K / 2 x 16 pairs
+    const int32_t* pairs[2] = {buffer.data(), buffer.data() + k / 2 * 16};
     const int64_t ld = blocks * 16;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = 2 * p;
       widen_q8_block(cp + b * k * 16, k, buffer.data());
-      widen_q8_block(cp + (b + 1) * k * 16, k, buffer.data() + k / 2);
+      widen_q8_block(cp + (b + 1) * k * 16, k, buffer.data() + k / 2 * 16);
       const float* d[2] = {sp + b * groups * 16, sp + (b + 1) * groups * 16};
       float* o = op + b * 16;
       int64_t r = 0;
