@@ -22,6 +22,7 @@ namespace kvscope {
 // registers from the float32 planes: float32 products at any width, so `precise` is moot.
 enum Int4Kernel : int64_t { kTorch = 0, kPortable = 1, kAvx512Bf16 = 2, kAvx2Fp32 = 3 };
 
+#if KVSCOPE_HAVE_AVX512_BF16
 // The bfloat16 parts of float32 activations [rows, k]: hi = bf16(x), lo = bf16(x - hi) (left
 // empty unless precise), and per row r and group g the float32 sum of what the products see
 // (hi, or hi + lo), so a group contributes scale * sum(code x) + low * X.
@@ -30,7 +31,6 @@ struct Activations {
   std::vector<float> sums;
 };
 
-#if KVSCOPE_HAVE_AVX512_BF16
 // One group of 32 (hardware round-to-nearest-even, as c10's conversion): returns its sum.
 inline float split_group(const float* x, bf16* hi, bf16* lo) {
   __m512 seen = _mm512_setzero_ps();
@@ -48,39 +48,21 @@ inline float split_group(const float* x, bf16* hi, bf16* lo) {
   }
   return _mm512_reduce_add_ps(seen);
 }
-#endif
 
 inline Activations split_activations(const float* x, int64_t rows, int64_t k, bool precise) {
   Activations a;
-  const int64_t groups = k / kGroupSize;
   a.hi.resize(rows * k);
   if (precise) a.lo.resize(rows * k);
-  a.sums.resize(rows * groups);
-#if KVSCOPE_HAVE_AVX512_BF16
-  at::parallel_for(0, rows * groups, 256, [&](int64_t t0, int64_t t1) {
+  a.sums.resize(rows * (k / kGroupSize));
+  at::parallel_for(0, rows * (k / kGroupSize), 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t * kGroupSize;  // rows * k laid end to end, k a multiple of 32
       a.sums[t] = split_group(x + i, a.hi.data() + i, precise ? a.lo.data() + i : nullptr);
     }
   });
   return a;
-#endif
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = r * k + g * kGroupSize; i < r * k + (g + 1) * kGroupSize; ++i) {
-        a.hi[i] = bf16(x[i]);
-        float seen = static_cast<float>(a.hi[i]);
-        if (precise) {
-          a.lo[i] = bf16(x[i] - seen);
-          seen += static_cast<float>(a.lo[i]);
-        }
-        s += seen;
-      }
-      a.sums[r * groups + g] = s;
-    }
-  return a;
 }
+#endif
 
 // Scalar version of the same arithmetic (float32 products of exact weights with what the
 // dot products see): runs anywhere (tests check the layout with it).
