@@ -96,6 +96,29 @@ struct Partial {
   float max = -INFINITY, sum = 0.f;
 };
 
+// fn(slot, j) for keys j = 0..n-1 of the blocks [b0, b1) of a table: slot points `offset`
+// floats into key j's slot of `cache`, keys visited in cache order.
+template <typename Fn>
+inline void for_each_key(const float* cache, const int32_t* table, int64_t b0, int64_t b1,
+                         int64_t n, int64_t block_size, int64_t slot_stride, int64_t offset,
+                         Fn&& fn) {
+  for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
+    const float* block = cache + static_cast<int64_t>(table[b]) * block_size * slot_stride + offset;
+    const int64_t m = std::min(block_size, n - j);
+    for (int64_t o = 0; o < m; ++o) fn(block + o * slot_stride, j + o);
+    j += m;
+  }
+}
+
+// Per head, scores [heads, n] become exp(score - max) in place; their max and sum into part.
+inline void softmax_states(float* scores, int64_t heads, int64_t n, Partial* part) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores + h * n;
+    part[h].max = *std::max_element(sc, sc + n);
+    part[h].sum = exp_sum(sc, n, part[h].max);
+  }
+}
+
 // Attention of all heads of one row over the blocks [b0, b1) of its table (keys up to seq_len):
 // per head, max, sum and the unnormalised output into acc [heads, d].
 inline void attend_chunk(const StepShape& s, const float* q, const float* k_cache,
@@ -106,28 +129,17 @@ inline void attend_chunk(const StepShape& s, const float* q, const float* k_cach
   const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
   scores_buf.resize(s.heads * n);
   float* scores = scores_buf.data();  // [heads, n]
-  for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
-    const float* block = k_cache + static_cast<int64_t>(table[b]) * bs * slot_stride;
-    const int64_t m = std::min(bs, n - j);
-    for (int64_t o = 0; o < m; ++o)  // slot by slot, every head: the block's bytes in order
-      for (int64_t h = 0; h < s.heads; ++h)
-        scores[h * n + j + o] = dot(q + h * d, block + o * slot_stride + (h / group) * d, d) * s.scale;
-    j += m;
-  }
-  for (int64_t h = 0; h < s.heads; ++h) {
-    float* sc = scores + h * n;
-    part[h].max = *std::max_element(sc, sc + n);
-    part[h].sum = exp_sum(sc, n, part[h].max);
-  }
+  // slot by slot, every head: the block's bytes in order
+  for_each_key(k_cache, table, b0, b1, n, bs, slot_stride, 0, [&](const float* key, int64_t j) {
+    for (int64_t h = 0; h < s.heads; ++h)
+      scores[h * n + j] = dot(q + h * d, key + (h / group) * d, d) * s.scale;
+  });
+  softmax_states(scores, s.heads, n, part);
   std::fill(acc, acc + s.heads * d, 0.f);
-  for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
-    const float* block = v_cache + static_cast<int64_t>(table[b]) * bs * slot_stride;
-    const int64_t m = std::min(bs, n - j);
-    for (int64_t o = 0; o < m; ++o)
-      for (int64_t h = 0; h < s.heads; ++h)
-        axpy(scores[h * n + j + o], block + o * slot_stride + (h / group) * d, acc + h * d, d);
-    j += m;
-  }
+  for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, 0, [&](const float* value, int64_t j) {
+    for (int64_t h = 0; h < s.heads; ++h)
+      axpy(scores[h * n + j], value + (h / group) * d, acc + h * d, d);
+  });
 }
 
 #if defined(__AVX512F__)
@@ -149,44 +161,30 @@ void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
     __m512 qr[G][V];
     for (int g = 0; g < G; ++g)
       for (int v = 0; v < V; ++v) qr[g][v] = _mm512_loadu_ps(q + (h0 + g) * d + 16 * v);
-    for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
-      const float* block = k_cache + static_cast<int64_t>(table[b]) * bs * slot_stride + kvh * d;
-      const int64_t m = std::min(bs, n - j);
-      for (int64_t o = 0; o < m; ++o) {
-        __m512 kr[V];
-        for (int v = 0; v < V; ++v) kr[v] = _mm512_loadu_ps(block + o * slot_stride + 16 * v);
-        for (int g = 0; g < G; ++g) {
-          __m512 t = _mm512_mul_ps(qr[g][0], kr[0]);
-          for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(qr[g][v], kr[v], t);
-          scores[(h0 + g) * n + j + o] = _mm512_reduce_add_ps(t) * s.scale;
-        }
+    for_each_key(k_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const float* key, int64_t j) {
+      __m512 kr[V];
+      for (int v = 0; v < V; ++v) kr[v] = _mm512_loadu_ps(key + 16 * v);
+      for (int g = 0; g < G; ++g) {
+        __m512 t = _mm512_mul_ps(qr[g][0], kr[0]);
+        for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(qr[g][v], kr[v], t);
+        scores[(h0 + g) * n + j] = _mm512_reduce_add_ps(t) * s.scale;
       }
-      j += m;
-    }
+    });
   }
-  for (int64_t h = 0; h < s.heads; ++h) {
-    float* sc = scores + h * n;
-    part[h].max = *std::max_element(sc, sc + n);
-    part[h].sum = exp_sum(sc, n, part[h].max);
-  }
+  softmax_states(scores, s.heads, n, part);
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const int64_t h0 = kvh * G;
     __m512 a[G][V];
     for (int g = 0; g < G; ++g)
       for (int v = 0; v < V; ++v) a[g][v] = _mm512_setzero_ps();
-    for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
-      const float* block = v_cache + static_cast<int64_t>(table[b]) * bs * slot_stride + kvh * d;
-      const int64_t m = std::min(bs, n - j);
-      for (int64_t o = 0; o < m; ++o) {
-        __m512 vr[V];
-        for (int v = 0; v < V; ++v) vr[v] = _mm512_loadu_ps(block + o * slot_stride + 16 * v);
-        for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[(h0 + g) * n + j + o]);
-          for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, vr[v], a[g][v]);
-        }
+    for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const float* value, int64_t j) {
+      __m512 vr[V];
+      for (int v = 0; v < V; ++v) vr[v] = _mm512_loadu_ps(value + 16 * v);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(h0 + g) * n + j]);
+        for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, vr[v], a[g][v]);
       }
-      j += m;
-    }
+    });
     for (int g = 0; g < G; ++g)
       for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (h0 + g) * d + 16 * v, a[g][v]);
   }
