@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import hashlib
 import logging
 import os
@@ -159,33 +160,44 @@ PRECISE_ROWS = 8
 Q8_HEAD_ROWS = 256  # logits of up to this many rows by the 8-bit head kernel
 
 
-def torch_int4_layout_is_known() -> bool:
-    """Whether torch packs 4-bit codes as our kernels read them: [N / 64, K, 32] bytes, the
-    low nibble of byte (b, k, j) column 64 b + j, the high nibble column 64 b + 32 + j."""
+PACK_BLOCKS = (64, 32)  # columns per block of torch's packed 4-bit layouts our kernels read
+
+
+@functools.cache
+def torch_int4_pack_block() -> int | None:
+    """The block width B of torch's packed 4-bit CPU layout, if it is one our kernels read:
+    [N / B, K, B / 2] bytes, the low nibble of byte (b, k, j) column B b + j, the high nibble
+    column B b + B / 2 + j. torch packs B = 64 where it runs its AVX-512 code and B = 32 on
+    AVX2 CPUs; None for anything else (our kernels are then not used)."""
     n, k = 128, 64
     codes = torch.randint(
         0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
     )
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     if packed.dtype != torch.uint8 or packed.numel() != n * k // 2:
-        return False
-    blocks = packed.reshape(n // 64, k, 32).int()
-    cols = codes.view(n // 64, 64, k).transpose(1, 2)
-    return torch.equal(blocks & 15, cols[..., :32]) and torch.equal(blocks >> 4, cols[..., 32:])
+        return None
+    for block in PACK_BLOCKS:
+        bytes_ = packed.reshape(n // block, k, block // 2).int()
+        cols = codes.view(n // block, block, k).transpose(1, 2)
+        low, high = cols[..., : block // 2], cols[..., block // 2 :]
+        if torch.equal(bytes_ & 15, low) and torch.equal(bytes_ >> 4, high):
+            return block
+    return None
 
 
 def pick_int4_kernel(model: LlamaModel, module: ModuleType) -> str:
-    """avx512_bf16 where compiled in, allowed (model.native_bf16), the layout is torch's
-    known one and every 4-bit matrix has a multiple of 64 outputs; else avx2_fp32 where
-    compiled in (and the rest holds); else torch's kernel."""
+    """avx512_bf16 where compiled in, allowed (model.native_bf16), torch packs blocks of 64
+    columns and every 4-bit matrix has a multiple of 64 outputs; else avx2_fp32 where compiled
+    in (and torch's layout is one it reads); else torch's kernel."""
     shapes_fit = all(
         w is not None and w.out_features % 64 == 0
         for layer in model.layers
         for w in (layer.qkv_int4, layer.o_int4, layer.gate_up_int4, layer.down_int4)
     )
-    if not shapes_fit or not torch_int4_layout_is_known():
+    block = torch_int4_pack_block()
+    if not shapes_fit or block is None:
         return "torch"
-    if model.native_bf16 and module.has_avx512_bf16():
+    if model.native_bf16 and module.has_avx512_bf16() and block == 64:
         return "avx512_bf16"
     return "avx2_fp32" if module.has_avx2() else "torch"
 
@@ -236,11 +248,16 @@ class FusedDecodeStep:
         kernel = int4_kernel or pick_int4_kernel(model, module)
         if kernel not in INT4_KERNELS:
             raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {kernel!r}")
+        block = torch_int4_pack_block()
+        if kernel != "torch" and block is None:
+            raise ValueError(f"int4_kernel {kernel!r} cannot read this torch's packed layout")
+        if kernel == "avx512_bf16" and block != 64:
+            raise ValueError(f"int4_kernel avx512_bf16 reads 64-column blocks, torch packs {block}")
         tensors = [t for layer in model.layers for t in layer_tensors(layer)]
         rotary = model.rotary
         decoder = module.FusedDecoder(
             tensors, model.embed, rotary.cos, rotary.sin, c.num_heads, c.num_kv_heads,
-            c.head_dim, c.rms_norm_eps, INT4_KERNELS.index(kernel), attention_chunks,
+            c.head_dim, c.rms_norm_eps, INT4_KERNELS.index(kernel), block or 64, attention_chunks,
         )  # fmt: skip
         logger.info("fused decode step: 4-bit products by the %s kernel", kernel)
         return cls(model, module, decoder, kernel)

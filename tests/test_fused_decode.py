@@ -150,31 +150,77 @@ def _products(step: fd.FusedDecodeStep, rows: int) -> str:
     return "bf16" if step.int4_kernel == "avx2_fp32" else "bf16_in"  # AVX2: torch's kernel
 
 
-def _int4_mm(extension, x, packed, kernel: str, precise: bool) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """4-bit codes [N, K] in the packed layout of ``block``-column blocks, byte by byte from its
+    definition: byte (b, k, j) = code(B b + j, k) | code(B b + B / 2 + j, k) << 4."""
+    n, k = codes.shape
+    half = block // 2
+    out = torch.empty(n // block, k, half, dtype=torch.uint8)
+    for b in range(n // block):
+        for j in range(half):
+            out[b, :, j] = (codes[b * block + j] | codes[b * block + half + j] << 4).to(torch.uint8)
+    return out.view(n, k // 2)
+
+
+def unpack_codes(packed: torch.Tensor, block: int, n: int, k: int) -> torch.Tensor:
+    """The inverse of pack_codes."""
+    half = block // 2
+    bytes_ = packed.reshape(n // block, k, half).int()
+    codes = torch.empty(n, k, dtype=torch.int32)
+    for b in range(n // block):
+        for j in range(half):
+            codes[b * block + j] = bytes_[b, :, j] & 15
+            codes[b * block + half + j] = bytes_[b, :, j] >> 4
+    return codes
+
+
+def test_torch_packs_4bit_codes_in_a_layout_our_kernels_read():
+    """Blocks of 64 columns where torch runs its AVX-512 code, 32 on AVX2 CPUs: both seen."""
+    block = fd.torch_int4_pack_block()
+    assert block in fd.PACK_BLOCKS
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (192, 96), generator=gen, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(packed.flatten(), pack_codes(codes, block).flatten())
+    assert torch.equal(unpack_codes(packed, block, 192, 96), codes)
+
+
+def _int4_mm(extension, x, packed, kernel: str, precise: bool, pack_block: int | None = None,
+             codes: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Our kernel's product; with pack_block, on the weight's codes repacked in that layout."""
+    torch_block = fd.torch_int4_pack_block()
+    assert torch_block is not None
+    bytes_ = packed.packed
+    if pack_block is not None and pack_block != torch_block:
+        n, k = packed.planes.shape[2], packed.planes.shape[0] * 32
+        bytes_ = pack_codes(unpack_codes(bytes_, torch_block, n, k), pack_block)
     return extension.int4_mm(
-        x, packed.packed, packed.scales_zeros, packed.planes, fd.INT4_KERNELS.index(kernel),
-        precise,
+        x, bytes_, packed.scales_zeros, packed.planes, fd.INT4_KERNELS.index(kernel), precise,
+        pack_block or torch_block,
     )  # fmt: skip
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pack_block", fd.PACK_BLOCKS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16])  # 7: a pass of four rows, then 2 + 1
-def test_our_int4_kernels_are_the_float32_or_bf16_activation_product(extension, rows):
+def test_our_int4_kernels_are_the_float32_or_bf16_activation_product(extension, rows, pack_block):
     """Precise: weights held exactly (a Q4_1 matrix with float16 scales and offsets, as in the
     GGUF), within float32 sums (plus 2^-18 of each activation) of the exact product. Fast: on
     weights whose scales and offsets are bfloat16 values (lossless in torch's layout too),
-    within float32 sums of the product of bfloat16-rounded activations, unrounded."""
-    assert fd.torch_int4_layout_is_known()
+    within float32 sums of the product of bfloat16-rounded activations, unrounded. Both of
+    torch's packed layouts, whichever this CPU's torch writes (the AVX512-BF16 kernel reads
+    blocks of 64 columns only)."""
     weight, _ = q4_1_matrix(192, 96, seed=rows)  # lossless 4-bit weights: 3 blocks of 64
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) * 3
     cases = [(True, snapped_to_float16_q4_1(weight), x.double(), 2**-17),
              (False, weight, bf16_round(x.double()), 0)]  # fmt: skip
-    for kernel in _kernels(extension):
+    kernels = [k for k in _kernels(extension) if k != "avx512_bf16" or pack_block == 64]
+    for kernel in kernels:
         for precise, w, x64, rel in cases:
             if kernel == "avx2_fp32":  # float32 products either way
                 x64, rel = x.double(), 2**-18
             packed, w64 = quantize_int4(w), w.double()
-            got = _int4_mm(extension, x, packed, kernel, precise)
+            got = _int4_mm(extension, x, packed, kernel, precise, pack_block)
             assert got.dtype == torch.float32
             magnitude = x64.abs() @ w64.abs().t()
             # float32: the folded group sums round ~3 times per group, the K / 32 group sums
@@ -183,8 +229,11 @@ def test_our_int4_kernels_are_the_float32_or_bf16_activation_product(extension, 
             assert_within(got, x64 @ w64.t(), tol)
         packed = quantize_int4(cases[0][1])
         # a row's products do not depend on the rows beside it
-        alone = [_int4_mm(extension, x[i : i + 1], packed, kernel, True) for i in range(rows)]
-        assert torch.equal(torch.cat(alone), _int4_mm(extension, x, packed, kernel, True))
+        alone = [
+            _int4_mm(extension, x[i : i + 1], packed, kernel, True, pack_block) for i in range(rows)
+        ]
+        together = _int4_mm(extension, x, packed, kernel, True, pack_block)
+        assert torch.equal(torch.cat(alone), together)
 
 
 def snapped_to_float16_q4_1(weight: torch.Tensor) -> torch.Tensor:

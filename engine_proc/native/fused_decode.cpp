@@ -52,10 +52,10 @@ class FusedDecoder {
  public:
   FusedDecoder(const std::vector<at::Tensor>& tensors, at::Tensor embed, at::Tensor cos,
                at::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-               int64_t int4_kernel, int64_t attention_chunks)
+               int64_t int4_kernel, int64_t pack_block, int64_t attention_chunks)
       : embed_(std::move(embed)), cos_(std::move(cos)), sin_(std::move(sin)), heads_(heads), kv_heads_(kv_heads),
         head_dim_(head_dim), eps_(static_cast<float>(eps)), int4_kernel_(int4_kernel),
-        attention_chunks_(attention_chunks) {
+        pack_block_(pack_block), attention_chunks_(attention_chunks) {
     constexpr size_t kPerLayer = 18;  // see fused_decode.py: layer_tensors
     TORCH_CHECK(tensors.size() % kPerLayer == 0, "expected 18 tensors per layer");
     for (size_t i = 0; i < tensors.size(); i += kPerLayer) {
@@ -178,13 +178,14 @@ class FusedDecoder {
   int64_t heads_, kv_heads_, head_dim_;
   float eps_;
   int64_t int4_kernel_;
+  int64_t pack_block_;        // columns per block of torch's packed 4-bit layout (64 or 32)
   int64_t attention_chunks_;  // key chunks per row; 0: by context length and threads
 
   // The AVX2 float32 kernel serves the precise steps only: wider ones go to torch's kernel,
   // twice its speed at 64 rows.
   at::Tensor int4_mm(const at::Tensor& x, const Linear4& w, bool precise) const {
     const int64_t kernel = int4_kernel_ == kAvx2Fp32 && !precise ? kTorch : int4_kernel_;
-    return int4_mm_kernel(x, w.packed, w.scales_zeros, w.planes, kernel, precise);
+    return int4_mm_kernel(x, w.packed, w.scales_zeros, w.planes, kernel, precise, pack_block_);
   }
 };
 
@@ -199,7 +200,7 @@ using namespace kvscope;  // NOLINT: the bindings below
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<const std::vector<at::Tensor>&, at::Tensor, at::Tensor, at::Tensor,
-                          int64_t, int64_t, int64_t, double, int64_t, int64_t>())
+                          int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t>())
       .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("bf16_logits", &bf16_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_avx512_bf16", &has_avx512_bf16);

@@ -7,7 +7,9 @@ namespace kvscope {
 
 // ---- 4-bit products ----------------------------------------------------------------------
 // torch's int4 CPU layout (checked at start-up by fused_decode.py, else kernel 0 is used):
-// [N / 64, K, 32] bytes, byte (b, k, j) = code(64 b + j, k) | code(64 b + 32 + j, k) << 4.
+// [N / B, K, B / 2] bytes, byte (b, k, j) = code(B b + j, k) | code(B b + B / 2 + j, k) << 4,
+// with blocks of B = 64 columns where torch runs its AVX-512 code and B = 32 on AVX2 CPUs
+// (the pack block, an argument of the kernels). The AVX512-BF16 kernel reads B = 64 only.
 // torch's kernel reads scales_zeros [K / 32, N, 2] bfloat16, w = (code - 8) * scale + zero; ours
 // also read the float32 planes [K / 32, 2, N] (scale, low), w = code * scale + low: the 4-bit
 // weights exactly (a GGUF Q4_1 block is float16 d and m, w = q d + m), where bfloat16 moves
@@ -67,18 +69,19 @@ inline Activations split_activations(const float* x, int64_t rows, int64_t k, bo
 // Scalar version of the same arithmetic (float32 products of exact weights with what the
 // dot products see): runs anywhere (tests check the layout with it).
 void int4_block_portable(const uint8_t* w, const float* planes, const float* x, int64_t rows,
-                         int64_t k, int64_t n, int64_t block, bool precise, float* out) {
-  const int64_t groups = k / kGroupSize;
+                         int64_t k, int64_t n, int64_t block, int64_t pack_block, bool precise,
+                         float* out) {
+  const int64_t groups = k / kGroupSize, half = pack_block / 2;
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < 64; ++j) {
-      const int64_t col = block * 64 + j;
+    for (int64_t j = 0; j < pack_block; ++j) {
+      const int64_t col = block * pack_block + j;
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         float d = 0.f, sum = 0.f;
         for (int64_t i = 0; i < kGroupSize; ++i) {
           const int64_t kk = g * kGroupSize + i;
-          const uint8_t byte = w[(block * k + kk) * 32 + (j % 32)];
-          const int code = j < 32 ? (byte & 15) : (byte >> 4);
+          const uint8_t byte = w[(block * k + kk) * half + (j % half)];
+          const int code = j < half ? (byte & 15) : (byte >> 4);
           const float xi = x[r * k + kk];
           const float hi = static_cast<float>(bf16(xi));
           const float seen = precise ? hi + static_cast<float>(bf16(xi - hi)) : hi;
@@ -291,17 +294,17 @@ void int4_rows_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int
 #endif
 
 #if KVSCOPE_HAVE_AVX2
-// Columns 8q..8q+7 and 32+8q..32+8q+7 of one 64-column block (the low and high nibbles of
-// bytes 8q..8q+7 of each input) for R rows: per input, the 16 weights dequantized once
-// (code * scale + low, one FMA per 8) and multiplied with each row's activation.
+// Columns 8q..8q+7 and B/2+8q..B/2+8q+7 of one block of B = pack_block columns (the low and
+// high nibbles of bytes 8q..8q+7 of each input) for R rows: per input, the 16 weights
+// dequantized once (code * scale + low, one FMA per 8) and multiplied with each row's activation.
 template <int R>
 void int4_quarter_avx2(const uint8_t* w, const float* planes, const float* x, int64_t k,
-                       int64_t n, int64_t block, int q, float* out) {
-  const int64_t groups = k / kGroupSize;
-  const int64_t col[2] = {block * 64 + 8 * q, block * 64 + 32 + 8 * q};
+                       int64_t n, int64_t block, int64_t pack_block, int q, float* out) {
+  const int64_t groups = k / kGroupSize, half = pack_block / 2;
+  const int64_t col[2] = {block * pack_block + 8 * q, block * pack_block + half + 8 * q};
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const uint8_t* wb = w + block * k * 32 + 8 * q;
+  const uint8_t* wb = w + block * k * half + 8 * q;
   const __m256i nibble = _mm256_set1_epi32(15);
   for (int64_t g = 0; g < groups; ++g) {
     const float* scale = planes + 2 * g * n;
@@ -309,7 +312,7 @@ void int4_quarter_avx2(const uint8_t* w, const float* planes, const float* x, in
     const __m256 s0 = _mm256_loadu_ps(scale + col[0]), s1 = _mm256_loadu_ps(scale + col[1]);
     const __m256 l0 = _mm256_loadu_ps(low + col[0]), l1 = _mm256_loadu_ps(low + col[1]);
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; ++kk) {
-      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + kk * 32)));
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + kk * half)));
       const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), s0, l0);
       const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), s1, l1);
       for (int r = 0; r < R; ++r) {
@@ -326,23 +329,28 @@ void int4_quarter_avx2(const uint8_t* w, const float* planes, const float* x, in
 }
 
 void int4_rows_avx2(const uint8_t* w, const float* planes, const float* x, int64_t rows,
-                    int64_t k, int64_t n, int64_t block, float* out) {
-  for (int q = 0; q < 4; ++q) {
+                    int64_t k, int64_t n, int64_t block, int64_t pack_block, float* out) {
+  for (int q = 0; q < pack_block / 16; ++q) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) int4_quarter_avx2<4>(w, planes, x + r * k, k, n, block, q, out + r * n);
-    for (; r < rows; ++r) int4_quarter_avx2<1>(w, planes, x + r * k, k, n, block, q, out + r * n);
+    for (; r + 4 <= rows; r += 4)
+      int4_quarter_avx2<4>(w, planes, x + r * k, k, n, block, pack_block, q, out + r * n);
+    for (; r < rows; ++r)
+      int4_quarter_avx2<1>(w, planes, x + r * k, k, n, block, pack_block, q, out + r * n);
   }
 }
 #endif
 
 // x [rows, K] float32 times a 4-bit weight -> float32 [rows, N]. precise: see the top of
 // this file (torch's kernel, kTorch, has bfloat16 activations and output either way).
+// pack_block: the columns of one block of torch's packed layout (64 or 32, see the top).
 at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
-                          const at::Tensor& planes, int64_t kernel, bool precise) {
+                          const at::Tensor& planes, int64_t kernel, bool precise,
+                          int64_t pack_block) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "float32 contiguous activations");
   if (kernel == kTorch)
     return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), packed, kGroupSize, sz).to(at::kFloat);
   const int64_t rows = x.size(0), k = x.size(1), n = planes.size(2);
+  TORCH_CHECK(pack_block == 32 || pack_block == 64, "pack_block must be 32 or 64, got ", pack_block);
   TORCH_CHECK(n % 64 == 0 && k % kGroupSize == 0, "4-bit kernel needs N % 64 == 0, K % 32 == 0");
   TORCH_CHECK(planes.scalar_type() == at::kFloat && planes.size(0) == k / kGroupSize &&
                   planes.size(1) == 2 && planes.is_contiguous(),
@@ -354,6 +362,7 @@ at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const a
   float* op = out.data_ptr<float>();
 #if KVSCOPE_HAVE_AVX512_BF16
   if (kernel == kAvx512Bf16) {
+    TORCH_CHECK(pack_block == 64, "the AVX512-BF16 4-bit kernel reads blocks of 64 columns");
     const Activations a = split_activations(xp, rows, k, precise);
     const Bf16Rows xr{a.hi.data(), precise ? a.lo.data() : nullptr, a.sums.data(), k};
     const Scales sc{pl, sz.data_ptr<bf16>()};
@@ -370,15 +379,16 @@ at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const a
 #endif
 #if KVSCOPE_HAVE_AVX2
   if (kernel == kAvx2Fp32) {
-    at::parallel_for(0, n / 64, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) int4_rows_avx2(w, pl, xp, rows, k, n, b, op);
+    at::parallel_for(0, n / pack_block, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) int4_rows_avx2(w, pl, xp, rows, k, n, b, pack_block, op);
     });
     return out;
   }
 #endif
   TORCH_CHECK(kernel == kPortable, "4-bit kernel ", kernel, " is not compiled in");
-  at::parallel_for(0, n / 64, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) int4_block_portable(w, pl, xp, rows, k, n, b, precise, op);
+  at::parallel_for(0, n / pack_block, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      int4_block_portable(w, pl, xp, rows, k, n, b, pack_block, precise, op);
   });
   return out;
 }
