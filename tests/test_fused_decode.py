@@ -145,9 +145,9 @@ def _products(step: fd.FusedDecodeStep, rows: int) -> str:
     """What a fused step of ``rows`` rows computes (tests/test_int4.py: DECODE_PRODUCTS)."""
     if step.int4_kernel == "torch":
         return "bf16"
-    if rows <= step.precise_rows:
+    if rows <= step.precise_rows or step.int4_kernel == "avx2_fp32":  # AVX2: float32 at any width
         return "exact"
-    return "bf16" if step.int4_kernel == "avx2_fp32" else "bf16_in"  # AVX2: torch's kernel
+    return "bf16_in"
 
 
 def pack_codes(codes: torch.Tensor, block: int) -> torch.Tensor:
@@ -274,7 +274,7 @@ def test_fused_greedy_decoding_follows_the_float64_reference(extension, native_b
 @pytest.mark.slow
 def test_wide_fused_steps_take_bf16_activations(extension):
     """Steps wider than precise_rows (set to 0 here: every step) run our kernels' fast
-    products: bfloat16 activations, float32 outputs."""
+    products: bfloat16 activations, float32 outputs (AVX512-BF16); float32 products on AVX2."""
     engine = _engine("fused")
     step = engine.runner.fused.step
     assert step is not None

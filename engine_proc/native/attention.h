@@ -40,11 +40,38 @@ inline __m512 exp_approx(__m512 x) {
 }
 #endif
 
+#if KVSCOPE_HAVE_AVX2
+// exp_approx on 8 floats, 2^n built in the exponent bits (AVX2 has no scalef): x is clamped
+// to [-87, 88] so n + 127 stays a normal exponent (below, exp underflows to ~1e-38 instead of
+// 0, which a softmax weight cannot tell apart).
+inline __m256 exp_approx8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 // out[i] = exp(x[i])
 inline void exp_into(const float* x, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp_approx(_mm512_loadu_ps(x + i)));
+#elif KVSCOPE_HAVE_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp_approx8(_mm256_loadu_ps(x + i)));
 #endif
   for (; i < n; ++i) out[i] = std::exp(x[i]);
 }
@@ -61,6 +88,14 @@ inline float exp_sum(float* sc, int64_t n, float m) {
     sum = _mm512_add_ps(sum, e);
   }
   total = _mm512_reduce_add_ps(sum);
+#elif KVSCOPE_HAVE_AVX2
+  __m256 sum = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(sc + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  total = hsum8(sum);
 #endif
   for (; j < n; ++j) {
     sc[j] = std::exp(sc[j] - m);
@@ -76,6 +111,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
     for (int64_t i = 0; i < n; i += 16)
       acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     return _mm512_reduce_add_ps(acc);
+  }
+#elif KVSCOPE_HAVE_AVX2
+  if (n % 16 == 0) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
   }
 #endif
   float s = 0.f;
@@ -159,11 +203,15 @@ void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const int64_t h0 = kvh * G;
     __m512 qr[G][V];
+    KVSCOPE_UNROLL
     for (int g = 0; g < G; ++g)
+      KVSCOPE_UNROLL
       for (int v = 0; v < V; ++v) qr[g][v] = _mm512_loadu_ps(q + (h0 + g) * d + 16 * v);
     for_each_key(k_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const float* key, int64_t j) {
       __m512 kr[V];
+      KVSCOPE_UNROLL
       for (int v = 0; v < V; ++v) kr[v] = _mm512_loadu_ps(key + 16 * v);
+      KVSCOPE_UNROLL
       for (int g = 0; g < G; ++g) {
         __m512 t = _mm512_mul_ps(qr[g][0], kr[0]);
         for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(qr[g][v], kr[v], t);
@@ -175,17 +223,24 @@ void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const int64_t h0 = kvh * G;
     __m512 a[G][V];
+    KVSCOPE_UNROLL
     for (int g = 0; g < G; ++g)
+      KVSCOPE_UNROLL
       for (int v = 0; v < V; ++v) a[g][v] = _mm512_setzero_ps();
     for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const float* value, int64_t j) {
       __m512 vr[V];
+      KVSCOPE_UNROLL
       for (int v = 0; v < V; ++v) vr[v] = _mm512_loadu_ps(value + 16 * v);
+      KVSCOPE_UNROLL
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[(h0 + g) * n + j]);
+        KVSCOPE_UNROLL
         for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, vr[v], a[g][v]);
       }
     });
+    KVSCOPE_UNROLL
     for (int g = 0; g < G; ++g)
+      KVSCOPE_UNROLL
       for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (h0 + g) * d + 16 * v, a[g][v]);
   }
 }

@@ -181,11 +181,8 @@ class FusedDecoder {
   int64_t pack_block_;        // columns per block of torch's packed 4-bit layout (64 or 32)
   int64_t attention_chunks_;  // key chunks per row; 0: by context length and threads
 
-  // The AVX2 float32 kernel serves the precise steps only: wider ones go to torch's kernel,
-  // twice its speed at 64 rows.
   at::Tensor int4_mm(const at::Tensor& x, const Linear4& w, bool precise) const {
-    const int64_t kernel = int4_kernel_ == kAvx2Fp32 && !precise ? kTorch : int4_kernel_;
-    return int4_mm_kernel(x, w.packed, w.scales_zeros, w.planes, kernel, precise, pack_block_);
+    return int4_mm_kernel(x, w.packed, w.scales_zeros, w.planes, int4_kernel_, precise, pack_block_);
   }
 };
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "common.h"
+#include "tile_gemm.h"
 
 namespace kvscope {
 
@@ -109,6 +110,7 @@ void q8_block(const int8_t* c, const float* d, const float* x, int64_t k, float*
     __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                       _mm512_setzero_ps()};
     for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; i += 4) {
+      KVSCOPE_UNROLL
       for (int u = 0; u < 4; ++u) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (i + u) * 16));
         const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -124,7 +126,9 @@ void q8_block(const int8_t* c, const float* d, const float* x, int64_t k, float*
   for (int64_t g = 0; g < groups; ++g) {
     float part[16] = {0};
     for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; ++i)
+      KVSCOPE_UNROLL
       for (int j = 0; j < 16; ++j) part[j] += x[i] * static_cast<float>(c[i * 16 + j]);
+    KVSCOPE_UNROLL
     for (int j = 0; j < 16; ++j) acc[j] += d[g * 16 + j] * part[j];
   }
   std::copy(acc, acc + 16, out);
@@ -140,40 +144,113 @@ void q8_rows(const int8_t* c, const float* d, const float* x, int64_t k, float* 
   const int64_t groups = k / kGroupSize;
 #if defined(__AVX512F__)
   __m512 acc[R];
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[R][4];
+    KVSCOPE_UNROLL
     for (int r = 0; r < R; ++r)
+      KVSCOPE_UNROLL
       for (int u = 0; u < 4; ++u) part[r][u] = _mm512_setzero_ps();
     for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; i += 4) {
+      KVSCOPE_UNROLL
       for (int u = 0; u < 4; ++u) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (i + u) * 16));
         const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        KVSCOPE_UNROLL
         for (int r = 0; r < R; ++r)
           part[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i + u]), w, part[r][u]);
       }
     }
     const __m512 scale = _mm512_loadu_ps(d + g * 16);
+    KVSCOPE_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
                                        _mm512_add_ps(part[r][2], part[r][3]));
       acc[r] = _mm512_fmadd_ps(scale, sum, acc[r]);
     }
   }
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ld, acc[r]);
 #else
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r) {
     float acc[16] = {0};
     for (int64_t g = 0; g < groups; ++g) {
       float part[16] = {0};
       for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; ++i)
+        KVSCOPE_UNROLL
         for (int j = 0; j < 16; ++j) part[j] += x[r * k + i] * static_cast<float>(c[i * 16 + j]);
+      KVSCOPE_UNROLL
       for (int j = 0; j < 16; ++j) acc[j] += d[g * 16 + j] * part[j];
     }
     std::copy(acc, acc + 16, out + r * ld);
   }
 #endif
 }
+
+#if KVSCOPE_HAVE_AVX2
+// B blocks of 16 outputs (codes c + b * K * 16, scales d + b * groups * 16, outputs out + 16 b)
+// of R rows, weights code * scale in registers: one float32 chain per output and row over k in
+// order (tile_rows' sums), 2 B chains in flight per row.
+template <int R, int B>
+void q8_rows_avx2(const int8_t* c, const float* d, const float* x, int64_t k, float* out,
+                  int64_t ld) {
+  const int64_t groups = k / kGroupSize;
+  __m256 acc[R][B][2];
+  KVSCOPE_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
+    for (int b = 0; b < B; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 scale[B][2];
+    KVSCOPE_UNROLL
+    for (int b = 0; b < B; ++b) {
+      scale[b][0] = _mm256_loadu_ps(d + (b * groups + g) * 16);
+      scale[b][1] = _mm256_loadu_ps(d + (b * groups + g) * 16 + 8);
+    }
+    for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; ++i) {
+      __m256 w[B][2];
+      KVSCOPE_UNROLL
+      for (int b = 0; b < B; ++b) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (b * k + i) * 16));
+        w[b][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale[b][0]);
+        w[b][1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), scale[b][1]);
+      }
+      KVSCOPE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * k + i);
+        KVSCOPE_UNROLL
+        for (int b = 0; b < B; ++b) {
+          acc[r][b][0] = _mm256_fmadd_ps(w[b][0], xb, acc[r][b][0]);
+          acc[r][b][1] = _mm256_fmadd_ps(w[b][1], xb, acc[r][b][1]);
+        }
+      }
+    }
+  }
+  KVSCOPE_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
+    for (int b = 0; b < B; ++b) {
+      _mm256_storeu_ps(out + r * ld + 16 * b, acc[r][b][0]);
+      _mm256_storeu_ps(out + r * ld + 16 * b + 8, acc[r][b][1]);
+    }
+}
+
+// One block of 16 outputs (codes [K, 16], scales [K / 32, 16]) as a float32 tile [K, 16].
+inline void q8_tile_avx2(const int8_t* c, const float* d, int64_t k, float* tile) {
+  for (int64_t g = 0; g < k / kGroupSize; ++g) {
+    const __m256 d0 = _mm256_loadu_ps(d + g * 16), d1 = _mm256_loadu_ps(d + g * 16 + 8);
+    for (int64_t i = g * kGroupSize; i < (g + 1) * kGroupSize; ++i) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i * 16));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+      _mm256_storeu_ps(tile + i * kTileCols, _mm256_mul_ps(w0, d0));
+      _mm256_storeu_ps(tile + i * kTileCols + 8, _mm256_mul_ps(w1, d1));
+    }
+  }
+}
+#endif
 
 // Logits [rows, N] float32 = hidden [rows, K] (float32) x the exact 8-bit weight: float32
 // products and sums, as the dense float32 model computes them (in another order).
@@ -187,6 +264,35 @@ at::Tensor q8_logits(const at::Tensor& hidden, const at::Tensor& codes, const at
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#if KVSCOPE_HAVE_AVX2 && !defined(__AVX512F__)
+  // AVX2: the weights (code * scale: exact, q8_pack checked it) in registers for one or two
+  // rows, as a float32 tile per block for more (the same sums either way)
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    const int64_t ld = blocks * 16;
+    if (rows >= kAvx2TileRows) {
+      float* tile = tile_buffer(k);
+      for (int64_t b = b0; b < b1; ++b) {
+        q8_tile_avx2(cp + b * k * 16, sp + b * groups * 16, k, tile);
+        tile_all_rows(tile, xp, rows, k, op + b * 16, ld);
+      }
+      return;
+    }
+    for (int64_t b = b0; b < b1;) {  // blocks in pairs: four chains per row
+      const int8_t* c = cp + b * k * 16;
+      const float* d = sp + b * groups * 16;
+      if (b + 2 <= b1) {
+        rows == 2 ? q8_rows_avx2<2, 2>(c, d, xp, k, op + b * 16, ld)
+                  : q8_rows_avx2<1, 2>(c, d, xp, k, op + b * 16, ld);
+        b += 2;
+      } else {
+        rows == 2 ? q8_rows_avx2<2, 1>(c, d, xp, k, op + b * 16, ld)
+                  : q8_rows_avx2<1, 1>(c, d, xp, k, op + b * 16, ld);
+        b += 1;
+      }
+    }
+  });
+  return out;
+#endif
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     const int64_t ld = blocks * 16;
     for (int64_t b = b0; b < b1; ++b) {
@@ -230,28 +336,39 @@ void q8_bf16_rows(const int32_t* const* pairs, const float* const* d, const bf16
                   float* out, int64_t ld) {
   const int64_t groups = k / kGroupSize;
   __m512 acc[R][B];
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[R][B];
+    KVSCOPE_UNROLL
     for (int r = 0; r < R; ++r)
+      KVSCOPE_UNROLL
       for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_ps();
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
       __m512bh w[B];
+      KVSCOPE_UNROLL
       for (int b = 0; b < B; ++b) w[b] = (__m512bh)_mm512_loadu_si512(pairs[b] + kk / 2 * 16);
+      KVSCOPE_UNROLL
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, x + r * k + kk, sizeof(pair));
         const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
+        KVSCOPE_UNROLL
         for (int b = 0; b < B; ++b) part[r][b] = _mm512_dpbf16_ps(part[r][b], w[b], xp);
       }
     }
+    KVSCOPE_UNROLL
     for (int b = 0; b < B; ++b) {
       const __m512 scale = _mm512_loadu_ps(d[b] + g * 16);
+      KVSCOPE_UNROLL
       for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(scale, part[r][b], acc[r][b]);
     }
   }
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
     for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + r * ld + 16 * b, acc[r][b]);
 }
 #endif

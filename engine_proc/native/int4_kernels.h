@@ -2,6 +2,7 @@
 #pragma once
 
 #include "common.h"
+#include "tile_gemm.h"
 
 namespace kvscope {
 
@@ -20,8 +21,9 @@ namespace kvscope {
 // like it the bfloat16 scales), or, precise, as hi + lo with lo = bf16(x - hi): two dot
 // products per weight, 2^-18 relative, and the float32 scales. The portable kernel reads the
 // float32 scales either way.
-// The AVX2 kernel (kAvx2Fp32) multiplies float32 activations with weights dequantized in
-// registers from the float32 planes: float32 products at any width, so `precise` is moot.
+// The AVX2 kernel (kAvx2Fp32) multiplies float32 activations with weights dequantized from
+// the float32 planes (in registers for one or two rows, into tiles for more: tile_gemm.h):
+// float32 products at any width, so `precise` is moot.
 enum Int4Kernel : int64_t { kTorch = 0, kPortable = 1, kAvx512Bf16 = 2, kAvx2Fp32 = 3 };
 
 #if KVSCOPE_HAVE_AVX512_BF16
@@ -100,7 +102,9 @@ void int4_block_portable(const uint8_t* w, const float* planes, const float* x, 
 struct PairIndex {  // byte 4j <- 16h + j, byte 4j + 2 <- 32 + 16h + j (others masked to 0)
   alignas(64) uint8_t bytes[2][64] = {};
   constexpr PairIndex() {
+    KVSCOPE_UNROLL
     for (int h = 0; h < 2; ++h)
+      KVSCOPE_UNROLL
       for (int j = 0; j < 16; ++j) {
         bytes[h][4 * j] = static_cast<uint8_t>(16 * h + j);
         bytes[h][4 * j + 2] = static_cast<uint8_t>(32 + 16 * h + j);
@@ -209,34 +213,45 @@ void int4_block_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, in
                        int64_t block, float* out) {
   const int64_t k = x.k, groups = k / kGroupSize;
   __m512 acc[R][4];
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
   const uint8_t* wb = w + block * k * 32;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 d[R][4], dl[R][4];
+    KVSCOPE_UNROLL
     for (int r = 0; r < R; ++r)
+      KVSCOPE_UNROLL
       for (int i = 0; i < 4; ++i) d[r][i] = dl[r][i] = _mm512_setzero_ps();
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
       const uint8_t* b0 = wb + kk * 32;  // input kk: 32 bytes; input kk + 1 follows
       __m512i codes[4];
+      KVSCOPE_UNROLL
       for (int h = 0; h < 2; ++h) {  // bytes 0..15 then 16..31 of each input
         // 32-bit lane j: byte j of input kk in bits 0..7, of input kk + 1 in bits 16..23
         const __m512i both = pair_bytes(b0, h);
         codes[h] = codes_as_bf16(_mm512_slli_epi32(both, 3));      // low nibbles: cols 16h..
         codes[2 + h] = codes_as_bf16(_mm512_srli_epi32(both, 1));  // high: cols 32 + 16h..
       }
+      KVSCOPE_UNROLL
       for (int r = 0; r < R; ++r) {
         const bf16* lo = Lo ? x.lo + r * k + kk : nullptr;
+        KVSCOPE_UNROLL
         for (int i = 0; i < 4; ++i) dot_pair<Lo>(d[r][i], dl[r][i], codes[i], x.hi + r * k + kk, lo);
       }
     }
+    KVSCOPE_UNROLL
     for (int i = 0; i < 4; ++i) {
       const GroupScale gs = group_scale<Lo>(sc, g, n, block * 64 + 16 * i);
+      KVSCOPE_UNROLL
       for (int r = 0; r < R; ++r)
         acc[r][i] = fold_group(gs, chains<Lo>(d[r][i], dl[r][i]), x.sums[r * groups + g], acc[r][i]);
     }
   }
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + r * n + block * 64 + 16 * i, acc[r][i]);
 }
 
@@ -251,16 +266,19 @@ void int4_half_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int
   const int64_t k = x.k, groups = k / kGroupSize;
   const int64_t col[2] = {block * 64 + 16 * h, block * 64 + 32 + 16 * h};
   __m512 acc[R][2];
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const uint8_t* wb = w + block * k * 32;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 d[R][2], dl[R][2];
+    KVSCOPE_UNROLL
     for (int r = 0; r < R; ++r) d[r][0] = d[r][1] = dl[r][0] = dl[r][1] = _mm512_setzero_ps();
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
       // 32-bit lane j: byte 16h + j of input kk in bits 0..7, of input kk + 1 in bits 16..23
       const __m512i both = pair_bytes(wb + kk * 32, h);
       const __m512i lo_cols = codes_as_bf16(_mm512_slli_epi32(both, 3));
       const __m512i hi_cols = codes_as_bf16(_mm512_srli_epi32(both, 1));
+      KVSCOPE_UNROLL
       for (int r = 0; r < R; ++r) {
         const bf16* xh = x.hi + r * k + kk;
         const bf16* xl = Lo ? x.lo + r * k + kk : nullptr;
@@ -268,13 +286,17 @@ void int4_half_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int
         dot_pair<Lo>(d[r][1], dl[r][1], hi_cols, xh, xl);
       }
     }
+    KVSCOPE_UNROLL
     for (int i = 0; i < 2; ++i) {
       const GroupScale gs = group_scale<Lo>(sc, g, n, col[i]);
+      KVSCOPE_UNROLL
       for (int r = 0; r < R; ++r)
         acc[r][i] = fold_group(gs, chains<Lo>(d[r][i], dl[r][i]), x.sums[r * groups + g], acc[r][i]);
     }
   }
+  KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
     for (int i = 0; i < 2; ++i) _mm512_storeu_ps(out + r * n + col[i], acc[r][i]);
 }
 
@@ -284,6 +306,7 @@ template <bool Lo>
 void int4_rows_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int64_t rows,
                       int64_t n, int64_t block, float* out) {
   const int64_t fours = rows / 4 * 4;
+  KVSCOPE_UNROLL
   for (int h = 0; h < 2; ++h)
     for (int64_t r = 0; r < fours; r += 4)
       int4_half_avx512<4, Lo>(w, sc, x.from(r), n, block, h, out + r * n);
@@ -294,48 +317,105 @@ void int4_rows_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int
 #endif
 
 #if KVSCOPE_HAVE_AVX2
-// Columns 8q..8q+7 and B/2+8q..B/2+8q+7 of one block of B = pack_block columns (the low and
-// high nibbles of bytes 8q..8q+7 of each input) for R rows: per input, the 16 weights
-// dequantized once (code * scale + low, one FMA per 8) and multiplied with each row's activation.
-template <int R>
-void int4_quarter_avx2(const uint8_t* w, const float* planes, const float* x, int64_t k,
-                       int64_t n, int64_t block, int64_t pack_block, int q, float* out) {
-  const int64_t groups = k / kGroupSize, half = pack_block / 2;
-  const int64_t col[2] = {block * pack_block + 8 * q, block * pack_block + half + 8 * q};
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const uint8_t* wb = w + block * k * half + 8 * q;
+// The weights of 32 columns at input kk, code * scale + low (one FMA per 8): bytes c..c+15 of
+// the input's row in a block of B = pack_block columns hold columns c.. (low nibbles) and
+// B / 2 + c.. (high nibbles). s and l: the group's scales and lows of those columns.
+struct Cols32 {
+  __m256 w[4];
+};
+
+inline Cols32 dequant_cols32(const uint8_t* bytes16, const __m256 (&s)[4], const __m256 (&l)[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes16));
+  const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
   const __m256i nibble = _mm256_set1_epi32(15);
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* scale = planes + 2 * g * n;
-    const float* low = planes + (2 * g + 1) * n;
-    const __m256 s0 = _mm256_loadu_ps(scale + col[0]), s1 = _mm256_loadu_ps(scale + col[1]);
-    const __m256 l0 = _mm256_loadu_ps(low + col[0]), l1 = _mm256_loadu_ps(low + col[1]);
+  const __m256i codes[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble),
+                            _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
+  Cols32 c;
+  KVSCOPE_UNROLL
+  for (int i = 0; i < 4; ++i) c.w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[i]), s[i], l[i]);
+  return c;
+}
+
+// Columns c..c+15 and B/2+c..B/2+c+15 of one block (c = 16 * chunk) for R rows, weights
+// dequantized in registers per input: one float32 chain per column and row, over k in order.
+template <int R>
+void int4_cols32_avx2(const uint8_t* w, const float* planes, const float* x, int64_t k,
+                      int64_t n, int64_t block, int64_t pack_block, int64_t chunk, float* out) {
+  const int64_t half = pack_block / 2, c0 = block * pack_block + 16 * chunk;
+  const int64_t col[4] = {c0, c0 + 8, c0 + half, c0 + half + 8};
+  const uint8_t* wb = w + block * k * half + 16 * chunk;
+  __m256 acc[R][4];
+  KVSCOPE_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / kGroupSize; ++g) {
+    __m256 s[4], l[4];
+    KVSCOPE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      s[i] = _mm256_loadu_ps(planes + 2 * g * n + col[i]);
+      l[i] = _mm256_loadu_ps(planes + (2 * g + 1) * n + col[i]);
+    }
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; ++kk) {
-      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + kk * half)));
-      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), s0, l0);
-      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), s1, l1);
+      const Cols32 c = dequant_cols32(wb + kk * half, s, l);
+      KVSCOPE_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 xb = _mm256_broadcast_ss(x + r * k + kk);
-        acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+        KVSCOPE_UNROLL
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(c.w[i], xb, acc[r][i]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * n + col[0], acc[r][0]);
-    _mm256_storeu_ps(out + r * n + col[1], acc[r][1]);
+  KVSCOPE_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + r * n + col[i], acc[r][i]);
+}
+
+// Strip s (columns 16s..16s+15) of one block as a float32 tile [K, 16] of its weights, with
+// the arithmetic of dequant_cols32: the low nibbles of bytes 16s.. of each input for the
+// strips of the block's first B / 2 columns, the high nibbles of bytes 16s - B / 2.. for the rest.
+inline void int4_strip_tile_avx2(const uint8_t* w, const float* planes, int64_t k, int64_t n,
+                                 int64_t block, int64_t pack_block, int64_t s, float* tile) {
+  const int64_t half = pack_block / 2, col = block * pack_block + kTileCols * s;
+  const bool high = kTileCols * s >= half;
+  const uint8_t* wb = w + block * k * half + (kTileCols * s) % half;
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < k / kGroupSize; ++g) {
+    const float* scale = planes + 2 * g * n + col;
+    const float* low = planes + (2 * g + 1) * n + col;
+    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    const __m256 l0 = _mm256_loadu_ps(low), l1 = _mm256_loadu_ps(low + 8);
+    for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; ++kk) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + kk * half));
+      __m256i c0 = _mm256_cvtepu8_epi32(bytes), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+      c0 = high ? _mm256_srli_epi32(c0, 4) : _mm256_and_si256(c0, nibble);
+      c1 = high ? _mm256_srli_epi32(c1, 4) : _mm256_and_si256(c1, nibble);
+      _mm256_storeu_ps(tile + kk * kTileCols, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), s0, l0));
+      _mm256_storeu_ps(tile + kk * kTileCols + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), s1, l1));
+    }
   }
 }
 
+// One block for every row: calls of up to two rows dequantize in registers per input (a tile
+// would be written and read for one use), wider ones per strip into a tile every row reuses.
+// Both compute the same sums, so a row's products do not depend on the call's width.
+
 void int4_rows_avx2(const uint8_t* w, const float* planes, const float* x, int64_t rows,
                     int64_t k, int64_t n, int64_t block, int64_t pack_block, float* out) {
-  for (int q = 0; q < pack_block / 16; ++q) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      int4_quarter_avx2<4>(w, planes, x + r * k, k, n, block, pack_block, q, out + r * n);
-    for (; r < rows; ++r)
-      int4_quarter_avx2<1>(w, planes, x + r * k, k, n, block, pack_block, q, out + r * n);
+  if (rows >= kAvx2TileRows) {
+    float* tile = tile_buffer(k);
+    for (int64_t s = 0; s < pack_block / kTileCols; ++s) {
+      int4_strip_tile_avx2(w, planes, k, n, block, pack_block, s, tile);
+      tile_all_rows(tile, x, rows, k, out + block * pack_block + kTileCols * s, n);
+    }
+    return;
+  }
+  for (int64_t chunk = 0; chunk < pack_block / 32; ++chunk) {
+    if (rows == 2)
+      int4_cols32_avx2<2>(w, planes, x, k, n, block, pack_block, chunk, out);
+    else
+      int4_cols32_avx2<1>(w, planes, x, k, n, block, pack_block, chunk, out);
   }
 }
 #endif
