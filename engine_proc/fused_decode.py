@@ -13,7 +13,8 @@ float32 model with 4-bit decode weights and a float32 KV cache; every other step
 Steps of up to ``PRECISE_ROWS`` rows (a person chatting, a few chats at once) compute the
 4-bit products with bfloat16 activation pairs, so their replies are the dense model's (its
 float32 products to 2^-18); wider steps, where the products' arithmetic is the bound, with
-single bfloat16 activations (as torch's int4 kernel and the eager path do).
+single bfloat16 activations (as torch's int4 kernel and the eager path do). CPUs with AVX2 but
+not AVX512-BF16 compute float32 products at every width (no bfloat16 dot products to gain from).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
 
 # 4-bit product kernels (the C++ Int4Kernel enum, in order): torch's own; ours, reading torch's
 # packed layout: portable scalar code (any CPU; slow, for tests), AVX512-BF16 dot products, or
-# AVX2 float32 FMAs (CPUs without AVX512-BF16: precise steps only, wider ones on torch's).
+# AVX2 float32 FMAs (CPUs without AVX512-BF16; float32 products at every width).
 INT4_KERNELS = ("torch", "portable", "avx512_bf16", "avx2_fp32")
 # Rows of one extension call (a wider decode step makes several). Measured at 64 streams on 2
 # cores: 64 rows a call 616 tok/s, 16 rows a call 517 (the products' threads share more work).

@@ -228,4 +228,6 @@ def test_prompt_products_of_changing_lengths_do_not_grow_the_process():
     out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip
     growth = float(out.stdout.strip())
-    assert growth < 30, f"RSS grew {growth:.0f} MB over 130 prompt lengths"
+    # 2.7 MB run alone (AVX-512 and AVX2 machines), once 46 MB inside a full suite run on an
+    # AVX2 machine (not reproduced alone or under CPU load); every count on oneDNN: 282 MB
+    assert growth < 100, f"RSS grew {growth:.0f} MB over 130 prompt lengths"

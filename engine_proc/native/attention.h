@@ -78,29 +78,12 @@ inline void exp_into(const float* x, float* out, int64_t n) {
 
 // In place: sc[j] = exp(sc[j] - m); returns their sum.
 inline float exp_sum(float* sc, int64_t n, float m) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) sc[j] -= m;
+  exp_into(sc, sc, n);
   float total = 0.f;
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 sum = _mm512_setzero_ps();
-  for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp_approx(_mm512_sub_ps(_mm512_loadu_ps(sc + j), _mm512_set1_ps(m)));
-    _mm512_storeu_ps(sc + j, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  total = _mm512_reduce_add_ps(sum);
-#elif KVSCOPE_HAVE_AVX2
-  __m256 sum = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), _mm256_set1_ps(m)));
-    _mm256_storeu_ps(sc + j, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  total = hsum8(sum);
-#endif
-  for (; j < n; ++j) {
-    sc[j] = std::exp(sc[j] - m);
-    total += sc[j];
-  }
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < n; ++j) total += sc[j];
   return total;
 }
 
