@@ -348,6 +348,16 @@ def test_auto_loads_a_cached_build_or_builds_in_the_background(extension, monkey
 
 
 @pytest.mark.slow
+def test_kernels_given_no_rows_return_no_rows(extension):
+    weight, _ = q4_1_matrix(192, 96, seed=0)
+    packed = quantize_int4(weight)
+    for kernel in _kernels(extension):
+        assert _int4_mm(extension, torch.empty(0, 96), packed, kernel, True).shape == (0, 192)
+    codes, scales = extension.q8_pack(q8_matrix(64, 96, seed=1))
+    assert extension.q8_logits(torch.empty(0, 96), codes, scales).shape == (0, 64)
+
+
+@pytest.mark.slow
 def test_an_8bit_valued_head_is_held_exactly_and_multiplied_in_float32(extension):
     weight = q8_matrix(64, 96, seed=1)
     codes, scales = extension.q8_pack(weight)
