@@ -186,16 +186,21 @@ def test_torch_packs_4bit_codes_in_a_layout_our_kernels_read():
 
 
 def _int4_mm(extension, x, packed, kernel: str, precise: bool, pack_block: int | None = None,
-             codes: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """Our kernel's product; with pack_block, on the weight's codes repacked in that layout."""
+             half_planes: bool = False) -> torch.Tensor:  # fmt: skip
+    """Our kernel's product; with pack_block, on the weight's codes repacked in that layout;
+    half_planes: the scales and lows as float16 (the weight's must all be float16 values)."""
     torch_block = fd.torch_int4_pack_block()
     assert torch_block is not None
     bytes_ = packed.packed
     if pack_block is not None and pack_block != torch_block:
         n, k = packed.planes.shape[2], packed.planes.shape[0] * 32
         bytes_ = pack_codes(unpack_codes(bytes_, torch_block, n, k), pack_block)
+    planes = packed.planes
+    if half_planes:
+        planes = fd.kernel_planes(planes, kernel)
+        assert planes.dtype == torch.float16
     return extension.int4_mm(
-        x, bytes_, packed.scales_zeros, packed.planes, fd.INT4_KERNELS.index(kernel), precise,
+        x, bytes_, packed.scales_zeros, planes, fd.INT4_KERNELS.index(kernel), precise,
         pack_block or torch_block,
     )  # fmt: skip
 
@@ -209,7 +214,8 @@ def test_our_int4_kernels_are_the_float32_or_bf16_activation_product(extension, 
     weights whose scales and offsets are bfloat16 values (lossless in torch's layout too),
     within float32 sums of the product of bfloat16-rounded activations, unrounded. Both of
     torch's packed layouts, whichever this CPU's torch writes (the AVX512-BF16 kernel reads
-    blocks of 64 columns only)."""
+    blocks of 64 columns only). The portable and AVX2 kernels also read the precise case's
+    scales and lows as float16 (they are float16 values, as the GGUF's are): the same products."""
     weight, _ = q4_1_matrix(192, 96, seed=rows)  # lossless 4-bit weights: 3 blocks of 64
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) * 3
     cases = [(True, snapped_to_float16_q4_1(weight), x.double(), 2**-17),
@@ -227,13 +233,38 @@ def test_our_int4_kernels_are_the_float32_or_bf16_activation_product(extension, 
             # once each; generous by ~4x
             tol = (2**-20 + rel) * magnitude
             assert_within(got, x64 @ w64.t(), tol)
+            if precise and kernel in ("portable", "avx2_fp32"):
+                half = _int4_mm(extension, x, packed, kernel, precise, pack_block, half_planes=True)
+                assert torch.equal(half, got)
         packed = quantize_int4(cases[0][1])
-        # a row's products do not depend on the rows beside it
+        # a row's products do not depend on the rows beside it; the AVX2 kernel's paths (one or
+        # two rows in registers, folded per group; three or more through tiles) each keep that,
+        # and agree with each other to float32 rounding (the reference check above)
         alone = [
             _int4_mm(extension, x[i : i + 1], packed, kernel, True, pack_block) for i in range(rows)
         ]
         together = _int4_mm(extension, x, packed, kernel, True, pack_block)
-        assert torch.equal(torch.cat(alone), together)
+        if kernel != "avx2_fp32" or rows < 3:
+            assert torch.equal(torch.cat(alone), together)
+        else:
+            pairs = [_int4_mm(extension, x[i : i + 2], packed, kernel, True, pack_block)
+                     for i in range(0, rows - 1, 2)]  # fmt: skip
+            assert torch.equal(torch.cat(pairs), torch.cat(alone)[: len(pairs) * 2])
+            threes = [_int4_mm(extension, x[i : i + 3], packed, kernel, True, pack_block)
+                      for i in range(0, rows - 2, 3)]  # fmt: skip
+            assert torch.equal(torch.cat(threes), together[: len(threes) * 3])
+
+
+def test_planes_are_float16_only_where_every_value_is_one():
+    planes = torch.tensor([[[0.5, 0.25], [-1.0, 2.0**-10]]])
+    assert fd.kernel_planes(planes, "avx2_fp32").dtype == torch.float16
+    assert fd.kernel_planes(planes, "portable").dtype == torch.float16
+    # the AVX512-BF16 kernel (and torch's) read float32 planes
+    assert fd.kernel_planes(planes, "avx512_bf16") is planes
+    assert fd.kernel_planes(planes, "torch") is planes
+    inexact = planes.clone()
+    inexact[0, 0, 0] = 0.1  # not a float16 value
+    assert fd.kernel_planes(inexact, "avx2_fp32") is inexact
 
 
 def snapped_to_float16_q4_1(weight: torch.Tensor) -> torch.Tensor:
@@ -369,11 +400,19 @@ def test_an_8bit_valued_head_is_held_exactly_and_multiplied_in_float32(extension
     hidden = torch.randn(7, 96, generator=torch.Generator().manual_seed(3))
     got = extension.q8_logits(hidden, codes, scales).double()
     exact = hidden.double() @ weight.double().t()
-    assert_within(got, exact, 98 * 2**-24 * (hidden.double().abs() @ weight.double().abs().t()))
-    # rows go four at a time, then one by one, in the same summation order: a row's logits do
-    # not depend on the rows beside it
+    tol = 98 * 2**-24 * (hidden.double().abs() @ weight.double().abs().t())
+    assert_within(got, exact, tol)
+    # a row's logits do not depend on the rows beside it: four rows at a time, then one by one,
+    # in one summation order; on AVX2 one or two rows in registers (folded per group, within
+    # the tolerance above) and three or more through tiles each keep it
     alone = torch.cat([extension.q8_logits(hidden[i : i + 1], codes, scales) for i in range(7)])
-    assert torch.equal(alone.double(), got)
+    assert_within(alone.double(), exact, tol)
+    pairs = torch.cat([extension.q8_logits(hidden[i : i + 2], codes, scales) for i in (0, 2, 4)])
+    assert torch.equal(pairs, alone[:6])
+    threes = torch.cat([extension.q8_logits(hidden[i : i + 3], codes, scales) for i in (0, 3)])
+    assert torch.equal(threes.double(), got[:6])
+    if not extension.has_avx2():
+        assert torch.equal(alone.double(), got)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine_proc.sampler import compute_logprobs, process_logits, sample
+from engine_proc.sampler import argmax_rows, compute_logprobs, process_logits, sample
 from engine_proc.sampling_params import SamplingParams
 
 
@@ -190,3 +190,13 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k():
         best = sorted(range(50), key=lambda t: -ref[t])[:k]
         assert [t for t, _ in top] == best
         assert [lp for _, lp in top] == pytest.approx([ref[t] for t in best], abs=1e-5)
+
+
+def test_argmax_rows_is_torchs_argmax_with_ties_and_nans():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
+    logits[1, 40] = logits[1, 200] = float("nan")  # the first NaN wins, as in torch
+    logits[2] = 0.5  # all tied: the first index
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # tied maxima
+    for view in (logits, logits[:, ::3], logits.bfloat16()):
+        assert argmax_rows(view) == view.argmax(dim=-1).tolist()
+    assert argmax_rows(logits) == [int(logits[0].argmax()), 40, 0, 10]

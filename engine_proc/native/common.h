@@ -20,7 +20,8 @@
 #else
 #define KVSCOPE_HAVE_AVX512_BF16 0
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+// AVX2 kernels also use FMA and F16C (every AVX2 CPU since 2013 has both)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVSCOPE_HAVE_AVX2 1
 #else
 #define KVSCOPE_HAVE_AVX2 0
@@ -35,5 +36,20 @@ namespace kvscope {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kGroupSize = 32;  // 4-bit and 8-bit weights: one scale per 32 inputs
+
+#if KVSCOPE_HAVE_AVX2
+// Eight scales or lows from float32 or float16 values (F16C: exact widening).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// A group's part of a column's product, folded: acc + scale D (+ low X where the weights have
+// lows: w = code scale + low).
+inline __m256 fold_group(__m256 acc, __m256 scale, __m256 d) { return _mm256_fmadd_ps(scale, d, acc); }
+inline __m256 fold_group(__m256 acc, __m256 scale, __m256 low, __m256 d, float xsum) {
+  return _mm256_fmadd_ps(low, _mm256_set1_ps(xsum), _mm256_fmadd_ps(scale, d, acc));
+}
+#endif
 
 }  // namespace kvscope

@@ -12,18 +12,23 @@ namespace kvscope {
 // with blocks of B = 64 columns where torch runs its AVX-512 code and B = 32 on AVX2 CPUs
 // (the pack block, an argument of the kernels). The AVX512-BF16 kernel reads B = 64 only.
 // torch's kernel reads scales_zeros [K / 32, N, 2] bfloat16, w = (code - 8) * scale + zero; ours
-// also read the float32 planes [K / 32, 2, N] (scale, low), w = code * scale + low: the 4-bit
-// weights exactly (a GGUF Q4_1 block is float16 d and m, w = q d + m), where bfloat16 moves
-// them by up to ~0.1 of a step.
+// also read the planes [K / 32, 2, N] (scale, low), w = code * scale + low: the 4-bit weights
+// exactly (a GGUF Q4_1 block is float16 d and m, w = q d + m), where bfloat16 moves them by up
+// to ~0.1 of a step. The planes are float32, or float16 when every value is one (the GGUF's:
+// fused_decode.py checks), which holds the same values in a third fewer bytes per weight
+// with the codes (0.625 instead of 0.75): the portable and AVX2 kernels read either, the
+// AVX512-BF16 kernel float32.
 //
 // Activations: float32 in, float32 out. Products with bfloat16 dot products (dpbf16ps) see
 // x as its bfloat16 rounding hi (fast: 2^-9 relative error, what torch's kernel does too, and
 // like it the bfloat16 scales), or, precise, as hi + lo with lo = bf16(x - hi): two dot
 // products per weight, 2^-18 relative, and the float32 scales. The portable kernel reads the
 // float32 scales either way.
-// The AVX2 kernel (kAvx2Fp32) multiplies float32 activations with weights dequantized from
-// the float32 planes (in registers for one or two rows, into tiles for more: tile_gemm.h):
-// float32 products at any width, so `precise` is moot.
+// The AVX2 kernel (kAvx2Fp32) computes float32 products folded per group, like the portable
+// one: D = sum(code x) in float32 (codes converted exactly), then scale D + low X with X the
+// group's sum of x: one FMA per weight, where dequantizing each weight first took two. Codes
+// are converted in registers for one or two rows and into float32 tiles for more (same sums
+// either way); float32 products at any width, so `precise` is moot.
 enum Int4Kernel : int64_t { kTorch = 0, kPortable = 1, kAvx512Bf16 = 2, kAvx2Fp32 = 3 };
 
 #if KVSCOPE_HAVE_AVX512_BF16
@@ -70,7 +75,8 @@ inline Activations split_activations(const float* x, int64_t rows, int64_t k, bo
 
 // Scalar version of the same arithmetic (float32 products of exact weights with what the
 // dot products see): runs anywhere (tests check the layout with it).
-void int4_block_portable(const uint8_t* w, const float* planes, const float* x, int64_t rows,
+template <typename P>
+void int4_block_portable(const uint8_t* w, const P* planes, const float* x, int64_t rows,
                          int64_t k, int64_t n, int64_t block, int64_t pack_block, bool precise,
                          float* out) {
   const int64_t groups = k / kGroupSize, half = pack_block / 2;
@@ -90,7 +96,8 @@ void int4_block_portable(const uint8_t* w, const float* planes, const float* x, 
           d += static_cast<float>(code) * seen;
           sum += seen;
         }
-        acc += planes[2 * g * n + col] * d + planes[(2 * g + 1) * n + col] * sum;
+        acc += static_cast<float>(planes[2 * g * n + col]) * d +
+               static_cast<float>(planes[(2 * g + 1) * n + col]) * sum;
       }
       out[r * n + col] = acc;
     }
@@ -317,117 +324,156 @@ void int4_rows_avx512(const uint8_t* w, const Scales& sc, const Bf16Rows& x, int
 #endif
 
 #if KVSCOPE_HAVE_AVX2
-// The weights of 32 columns at input kk, code * scale + low (one FMA per 8): bytes c..c+15 of
-// the input's row in a block of B = pack_block columns hold columns c.. (low nibbles) and
-// B / 2 + c.. (high nibbles). s and l: the group's scales and lows of those columns.
-struct Cols32 {
-  __m256 w[4];
+// Chunk c of a block: columns 16c..16c+15 and B/2+16c..B/2+16c+15 (the low and high nibbles of
+// bytes 16c..16c+15 of each input's row), where the AVX2 kernels work 32 columns at a time.
+struct Chunk32 {
+  const uint8_t* bytes;  // input 0's 16 bytes; input kk's are kk * B / 2 further
+  int64_t half;          // B / 2
+  int64_t col[4];        // the first of each 8 columns, in the order of codes_cols32
 };
 
-inline Cols32 dequant_cols32(const uint8_t* bytes16, const __m256 (&s)[4], const __m256 (&l)[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes16));
-  const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-  const __m256i nibble = _mm256_set1_epi32(15);
-  const __m256i codes[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble),
-                            _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
-  Cols32 c;
-  KVSCOPE_UNROLL
-  for (int i = 0; i < 4; ++i) c.w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[i]), s[i], l[i]);
-  return c;
+inline Chunk32 chunk32(const uint8_t* w, int64_t k, int64_t block, int64_t pack_block,
+                       int64_t chunk) {
+  const int64_t half = pack_block / 2, c0 = block * pack_block + 16 * chunk;
+  return {w + block * k * half + 16 * chunk, half, {c0, c0 + 8, c0 + half, c0 + half + 8}};
 }
 
-// Columns c..c+15 and B/2+c..B/2+c+15 of one block (c = 16 * chunk) for R rows, weights
-// dequantized in registers per input: one float32 chain per column and row, over k in order.
-template <int R>
-void int4_cols32_avx2(const uint8_t* w, const float* planes, const float* x, int64_t k,
-                      int64_t n, int64_t block, int64_t pack_block, int64_t chunk, float* out) {
-  const int64_t half = pack_block / 2, c0 = block * pack_block + 16 * chunk;
-  const int64_t col[4] = {c0, c0 + 8, c0 + half, c0 + half + 8};
-  const uint8_t* wb = w + block * k * half + 16 * chunk;
+// The 32 codes of input kk as float32 (exact): columns col[0].., col[1].., col[2].., col[3]...
+inline void codes_cols32(const Chunk32& ch, int64_t kk, __m256 (&c)[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ch.bytes + kk * ch.half));
+  const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+  const __m256i nibble = _mm256_set1_epi32(15);
+  c[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble));
+  c[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble));
+  c[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  c[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+}
+
+// Per group, D = sum(code x) over its 32 inputs (one float32 chain per column and row, k in
+// order), folded as acc + scale D + low X (tile_gemm.h): one FMA per weight, where
+// dequantizing each weight first took two (measured 1.08-1.15x for one row).
+// One chunk for R rows (xsums: R rows of K / 32 group sums), codes converted in registers.
+template <int R, typename P>
+void int4_cols32_avx2(const Chunk32& ch, const P* planes, const float* x, const float* xsums,
+                      int64_t k, int64_t n, float* out) {
+  const int64_t groups = k / kGroupSize;
   __m256 acc[R][4];
   KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r)
     KVSCOPE_UNROLL
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < k / kGroupSize; ++g) {
-    __m256 s[4], l[4];
-    KVSCOPE_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      s[i] = _mm256_loadu_ps(planes + 2 * g * n + col[i]);
-      l[i] = _mm256_loadu_ps(planes + (2 * g + 1) * n + col[i]);
-    }
-    // the next group's scales and lows, and the codes ~24 inputs ahead, are requested before
-    // they are needed: measured 1.06-1.15x for one-row products of the default model
-    if (g + 1 < k / kGroupSize) {
+  for (int64_t g = 0; g < groups; ++g) {
+    // the next group's scales and lows are requested a group ahead
+    if (g + 1 < groups) {
+      KVSCOPE_UNROLL
       for (int i = 0; i < 4; i += 2) {
-        _mm_prefetch(reinterpret_cast<const char*>(planes + 2 * (g + 1) * n + col[i]), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(planes + (2 * (g + 1) + 1) * n + col[i]), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(planes + 2 * (g + 1) * n + ch.col[i]), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(planes + (2 * (g + 1) + 1) * n + ch.col[i]), _MM_HINT_T0);
       }
     }
+    __m256 d[R][4];
+    KVSCOPE_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVSCOPE_UNROLL
+      for (int i = 0; i < 4; ++i) d[r][i] = _mm256_setzero_ps();
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; ++kk) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (kk + 24) * half), _MM_HINT_T0);
-      const Cols32 c = dequant_cols32(wb + kk * half, s, l);
+      // the codes ~24 inputs ahead, requested before they are needed (1.06-1.15x, one row)
+      _mm_prefetch(reinterpret_cast<const char*>(ch.bytes + (kk + 24) * ch.half), _MM_HINT_T0);
+      __m256 c[4];
+      codes_cols32(ch, kk, c);
       KVSCOPE_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 xb = _mm256_broadcast_ss(x + r * k + kk);
         KVSCOPE_UNROLL
-        for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(c.w[i], xb, acc[r][i]);
+        for (int i = 0; i < 4; ++i) d[r][i] = _mm256_fmadd_ps(c[i], xb, d[r][i]);
       }
+    }
+    KVSCOPE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const __m256 scale = load8(planes + 2 * g * n + ch.col[i]);
+      const __m256 low = load8(planes + (2 * g + 1) * n + ch.col[i]);
+      KVSCOPE_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][i] = fold_group(acc[r][i], scale, low, d[r][i], xsums[r * groups + g]);
     }
   }
   KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r)
     KVSCOPE_UNROLL
-    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + r * n + col[i], acc[r][i]);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + r * n + ch.col[i], acc[r][i]);
 }
 
-// Strip s (columns 16s..16s+15) of one block as a float32 tile [K, 16] of its weights, with
-// the arithmetic of dequant_cols32: the low nibbles of bytes 16s.. of each input for the
-// strips of the block's first B / 2 columns, the high nibbles of bytes 16s - B / 2.. for the rest.
-inline void int4_strip_tile_avx2(const uint8_t* w, const float* planes, int64_t k, int64_t n,
-                                 int64_t block, int64_t pack_block, int64_t s, float* tile) {
-  const int64_t half = pack_block / 2, col = block * pack_block + kTileCols * s;
-  const bool high = kTileCols * s >= half;
-  const uint8_t* wb = w + block * k * half + (kTileCols * s) % half;
-  const __m256i nibble = _mm256_set1_epi32(15);
+// One chunk's weights as two float32 tiles [K, 16], code * scale + low: tiles[0] the
+// low-nibble columns, tiles[1] (K * 16 floats further) the high-nibble ones.
+template <typename P>
+inline void int4_chunk_tiles_avx2(const Chunk32& ch, const P* planes, int64_t k, int64_t n,
+                                  float* tiles) {
   for (int64_t g = 0; g < k / kGroupSize; ++g) {
-    const float* scale = planes + 2 * g * n + col;
-    const float* low = planes + (2 * g + 1) * n + col;
-    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-    const __m256 l0 = _mm256_loadu_ps(low), l1 = _mm256_loadu_ps(low + 8);
+    __m256 scale[4], low[4];
+    KVSCOPE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      scale[i] = load8(planes + 2 * g * n + ch.col[i]);
+      low[i] = load8(planes + (2 * g + 1) * n + ch.col[i]);
+    }
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; ++kk) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + kk * half));
-      __m256i c0 = _mm256_cvtepu8_epi32(bytes), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-      c0 = high ? _mm256_srli_epi32(c0, 4) : _mm256_and_si256(c0, nibble);
-      c1 = high ? _mm256_srli_epi32(c1, 4) : _mm256_and_si256(c1, nibble);
-      _mm256_storeu_ps(tile + kk * kTileCols, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), s0, l0));
-      _mm256_storeu_ps(tile + kk * kTileCols + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), s1, l1));
+      __m256 c[4];
+      codes_cols32(ch, kk, c);
+      KVSCOPE_UNROLL
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(tiles + (i / 2) * k * kTileCols + kk * kTileCols + 8 * (i % 2),
+                         _mm256_fmadd_ps(c[i], scale[i], low[i]));
     }
   }
 }
 
-// One block for every row: calls of up to two rows dequantize in registers per input (a tile
-// would be written and read for one use), wider ones per strip into a tile every row reuses.
-// Both compute the same sums, so a row's products do not depend on the call's width.
-
-void int4_rows_avx2(const uint8_t* w, const float* planes, const float* x, int64_t rows,
-                    int64_t k, int64_t n, int64_t block, int64_t pack_block, float* out) {
-  if (rows >= kAvx2TileRows) {
-    float* tile = tile_buffer(k);
-    for (int64_t s = 0; s < pack_block / kTileCols; ++s) {
-      int4_strip_tile_avx2(w, planes, k, n, block, pack_block, s, tile);
-      tile_all_rows(tile, x, rows, k, out + block * pack_block + kTileCols * s, n);
-    }
-    return;
-  }
+// One block for every row: calls of up to two rows convert the codes in registers per input
+// and fold per group; wider ones dequantize each chunk once into two tiles every row reuses
+// (tile_gemm.h: unfolded sums, the same products to float32 rounding). Within each, a row's
+// products do not depend on the rows beside it.
+template <typename P>
+void int4_rows_avx2(const uint8_t* w, const P* planes, const float* x, const float* xsums,
+                    int64_t rows, int64_t k, int64_t n, int64_t block, int64_t pack_block,
+                    float* out) {
   for (int64_t chunk = 0; chunk < pack_block / 32; ++chunk) {
-    if (rows == 2)
-      int4_cols32_avx2<2>(w, planes, x, k, n, block, pack_block, chunk, out);
-    else
-      int4_cols32_avx2<1>(w, planes, x, k, n, block, pack_block, chunk, out);
+    const Chunk32 ch = chunk32(w, k, block, pack_block, chunk);
+    if (rows >= kAvx2TileRows) {
+      float* tiles = tile_buffer(2 * k);
+      int4_chunk_tiles_avx2(ch, planes, k, n, tiles);
+      for (int t = 0; t < 2; ++t) {
+        const int64_t col = ch.col[2 * t];
+        tile_all_rows(tiles + t * k * kTileCols, x, rows, k, out + col, n);
+      }
+    } else if (rows == 2) {
+      int4_cols32_avx2<2>(ch, planes, x, xsums, k, n, out);
+    } else {
+      int4_cols32_avx2<1>(ch, planes, x, xsums, k, n, out);
+    }
   }
 }
 #endif
+
+// Per row and group of 32 inputs, the float32 sum of x in k order (the AVX2 kernel's X).
+inline std::vector<float> group_sums(const float* x, int64_t rows, int64_t k) {
+  std::vector<float> sums(rows * (k / kGroupSize));
+  for (size_t t = 0; t < sums.size(); ++t) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < kGroupSize; ++i) sum += x[t * kGroupSize + i];
+    sums[t] = sum;
+  }
+  return sums;
+}
+
+// The products of one block of columns for every row, with the kernel picked (not kTorch).
+template <typename P>
+void int4_rows(const uint8_t* w, const P* planes, const float* x, const float* xsums,
+               int64_t rows, int64_t k, int64_t n, int64_t block, int64_t pack_block,
+               int64_t kernel, bool precise, float* out) {
+#if KVSCOPE_HAVE_AVX2
+  if (kernel == kAvx2Fp32)
+    return int4_rows_avx2(w, planes, x, xsums, rows, k, n, block, pack_block, out);
+#endif
+  (void)kernel, (void)xsums;
+  int4_block_portable(w, planes, x, rows, k, n, block, pack_block, precise, out);
+}
 
 // x [rows, K] float32 times a 4-bit weight -> float32 [rows, N]. precise: see the top of
 // this file (torch's kernel, kTorch, has bfloat16 activations and output either way).
@@ -441,21 +487,21 @@ at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const a
   const int64_t rows = x.size(0), k = x.size(1), n = planes.size(2);
   TORCH_CHECK(pack_block == 32 || pack_block == 64, "pack_block must be 32 or 64, got ", pack_block);
   TORCH_CHECK(n % 64 == 0 && k % kGroupSize == 0, "4-bit kernel needs N % 64 == 0, K % 32 == 0");
-  TORCH_CHECK(planes.scalar_type() == at::kFloat && planes.size(0) == k / kGroupSize &&
-                  planes.size(1) == 2 && planes.is_contiguous(),
-              "planes: float32 [K / 32, 2, N]");
+  TORCH_CHECK((planes.scalar_type() == at::kFloat || planes.scalar_type() == at::kHalf) &&
+                  planes.size(0) == k / kGroupSize && planes.size(1) == 2 && planes.is_contiguous(),
+              "planes: float32 or float16 [K / 32, 2, N]");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;  // the row kernels assume at least one row
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* pl = planes.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if KVSCOPE_HAVE_AVX512_BF16
   if (kernel == kAvx512Bf16) {
     TORCH_CHECK(pack_block == 64, "the AVX512-BF16 4-bit kernel reads blocks of 64 columns");
+    TORCH_CHECK(planes.scalar_type() == at::kFloat, "the AVX512-BF16 4-bit kernel reads float32 planes");
     const Activations a = split_activations(xp, rows, k, precise);
     const Bf16Rows xr{a.hi.data(), precise ? a.lo.data() : nullptr, a.sums.data(), k};
-    const Scales sc{pl, sz.data_ptr<bf16>()};
+    const Scales sc{planes.data_ptr<float>(), sz.data_ptr<bf16>()};
     at::parallel_for(0, n / 64, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         if (precise)
@@ -467,18 +513,21 @@ at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const a
     return out;
   }
 #endif
-#if KVSCOPE_HAVE_AVX2
-  if (kernel == kAvx2Fp32) {
-    at::parallel_for(0, n / pack_block, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) int4_rows_avx2(w, pl, xp, rows, k, n, b, pack_block, op);
-    });
-    return out;
-  }
-#endif
-  TORCH_CHECK(kernel == kPortable, "4-bit kernel ", kernel, " is not compiled in");
+  TORCH_CHECK(kernel == kPortable || (kernel == kAvx2Fp32 && KVSCOPE_HAVE_AVX2), "4-bit kernel ",
+              kernel, " is not compiled in");
+  const bool half = planes.scalar_type() == at::kHalf;
+  const at::Half* ph = half ? planes.data_ptr<at::Half>() : nullptr;
+  const float* pf = half ? nullptr : planes.data_ptr<float>();
+  // the narrow AVX2 path's group sums of x (the tiles and the portable kernel need none)
+  const std::vector<float> xsums =
+      kernel == kAvx2Fp32 && rows < kAvx2TileRows ? group_sums(xp, rows, k) : std::vector<float>{};
   at::parallel_for(0, n / pack_block, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      int4_block_portable(w, pl, xp, rows, k, n, b, pack_block, precise, op);
+    for (int64_t b = b0; b < b1; ++b) {
+      if (half)
+        int4_rows(w, ph, xp, xsums.data(), rows, k, n, b, pack_block, kernel, precise, op);
+      else
+        int4_rows(w, pf, xp, xsums.data(), rows, k, n, b, pack_block, kernel, precise, op);
+    }
   });
   return out;
 }
