@@ -135,3 +135,14 @@ def async_sdk(server):
     return openai.AsyncOpenAI(
         base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
     )
+
+
+@pytest.fixture(scope="module")
+def extension():
+    """The fused decode step's compiled extension (built once into the suite's cache dir)."""
+    from engine_proc import fused_decode as fd
+
+    why = fd.build_unavailable_reason()
+    if why is not None:  # like the CUDA tests: this machine cannot build it (the engine says so)
+        pytest.skip(f"the fused decode step {why}; the engine decodes eagerly")
+    return fd.load_extension()
