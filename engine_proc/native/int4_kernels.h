@@ -26,9 +26,10 @@ namespace kvscope {
 // float32 scales either way.
 // The AVX2 kernel (kAvx2Fp32) computes float32 products folded per group, like the portable
 // one: D = sum(code x) in float32 (codes converted exactly), then scale D + low X with X the
-// group's sum of x: one FMA per weight, where dequantizing each weight first took two. Codes
-// are converted in registers for one or two rows and into float32 tiles for more (same sums
-// either way); float32 products at any width, so `precise` is moot.
+// group's sum of x: one FMA per weight, where dequantizing each weight first took two. That is
+// for calls of one or two rows; wider calls dequantize into float32 tiles and sum unfolded
+// (tile_gemm.h), the same products to float32 rounding. Float32 products at any width, so
+// `precise` is moot.
 enum Int4Kernel : int64_t { kTorch = 0, kPortable = 1, kAvx512Bf16 = 2, kAvx2Fp32 = 3 };
 
 #if KVSCOPE_HAVE_AVX512_BF16
