@@ -14,7 +14,9 @@ Steps of up to ``PRECISE_ROWS`` rows (a person chatting, a few chats at once) co
 4-bit products with bfloat16 activation pairs, so their replies are the dense model's (its
 float32 products to 2^-18); wider steps, where the products' arithmetic is the bound, with
 single bfloat16 activations (as torch's int4 kernel and the eager path do). CPUs with AVX2 but
-not AVX512-BF16 compute float32 products at every width (no bfloat16 dot products to gain from).
+not AVX512-BF16 compute float32 products (no bfloat16 dot products to gain from), except the
+MLP's in wider steps: activations quantized to 8 bits per group of 32 against the 4-bit codes
+in integer dot products (int4_q8_kernels.h, llama.cpp's Q4_1 x Q8_1 arithmetic).
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
 
 # 4-bit product kernels (the C++ Int4Kernel enum, in order): torch's own; ours, reading torch's
 # packed layout: portable scalar code (any CPU; slow, for tests), AVX512-BF16 dot products, or
-# AVX2 float32 FMAs (CPUs without AVX512-BF16; float32 products at every width).
+# AVX2 float32 FMAs (CPUs without AVX512-BF16; with 8-bit activations for the MLP of wide steps).
 INT4_KERNELS = ("torch", "portable", "avx512_bf16", "avx2_fp32")
 # Rows of one extension call (a wider decode step makes several). Measured at 64 streams on 2
 # cores: 64 rows a call 616 tok/s, 16 rows a call 517 (the products' threads share more work).
@@ -215,21 +217,35 @@ def kernel_planes(planes: torch.Tensor, kernel: str) -> torch.Tensor:
     return planes
 
 
-def _linear(w: Int4Weight | None, bias: torch.Tensor | None, kernel: str) -> list[torch.Tensor]:
+# packed codes, K, N -> the strips layout of int4_q8_kernels.h
+StripsOf = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+def _linear(
+    w: Int4Weight | None, bias: torch.Tensor | None, kernel: str, strips: StripsOf | None
+) -> list[torch.Tensor]:
     assert w is not None
     b = torch.empty(0) if bias is None else bias.float().contiguous()
-    return [w.packed, w.scales_zeros, kernel_planes(w.planes, kernel), b]
+    n, k = w.out_features, w.in_features
+    s = strips(w.packed, k, n) if strips is not None else torch.empty(0, dtype=torch.uint8)
+    return [w.packed, w.scales_zeros, kernel_planes(w.planes, kernel), b, s]
 
 
-def layer_tensors(layer: LlamaLayer, kernel: str) -> list[torch.Tensor]:
-    """The 18 tensors per layer the C++ side reads, in its order, for ``kernel``."""
+def layer_tensors(
+    layer: LlamaLayer, kernel: str, strips: StripsOf | None = None
+) -> list[torch.Tensor]:
+    """The 22 tensors per layer the C++ side reads, in its order, for ``kernel``; with
+    ``strips``, the MLP products' codes in the 8-bit-activation kernel's layout.
+    Only the MLP's: the parity prompts twice over in 16-row steps (AVX2) gave the dense
+    model's first 32 tokens on 5 of 8 with all four products on 8-bit activations, 7 of 8
+    (both copies) with the attention's two in float32; the MLP holds 3/4 of the weights."""
     return [
         layer.input_norm.contiguous(),
         layer.post_norm.contiguous(),
-        *_linear(layer.qkv_int4, layer.qkv_bias, kernel),
-        *_linear(layer.o_int4, None, kernel),
-        *_linear(layer.gate_up_int4, None, kernel),
-        *_linear(layer.down_int4, None, kernel),
+        *_linear(layer.qkv_int4, layer.qkv_bias, kernel, None),
+        *_linear(layer.o_int4, None, kernel, None),
+        *_linear(layer.gate_up_int4, None, kernel, strips),
+        *_linear(layer.down_int4, None, kernel, strips),
     ]
 
 
@@ -242,6 +258,7 @@ class FusedDecodeStep:
     decoder: object
     int4_kernel: str = "torch"  # one of INT4_KERNELS
     precise_rows: int = PRECISE_ROWS  # steps up to this many rows: precise products (ours)
+    q8_mlp: bool = False  # wider steps' MLP products on 8-bit activations (AVX2 kernel)
     # Logits of wider steps (hidden -> float32 logits), when set: bfloat16 activations against
     # the exact 8-bit output projection (use_head_kernel); else the model's compute_logits.
     wide_head: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -253,10 +270,13 @@ class FusedDecodeStep:
         module: ModuleType,
         int4_kernel: str | None = None,
         attention_chunks: int = 0,
+        q8_activations: bool = True,
     ) -> FusedDecodeStep:
         """int4_kernel: one of INT4_KERNELS; None picks avx512_bf16 where it can run.
         attention_chunks: key chunks per sequence attended in parallel and merged; 0 picks by
-        context length and thread count (tests force the merge with more)."""
+        context length and thread count (tests force the merge with more).
+        q8_activations: wide steps on the AVX2 kernel quantize the MLP's activations to 8 bits
+        (int4_q8_kernels.h), as llama.cpp does; False keeps float32 products at every width."""
         c = model.config
         kernel = int4_kernel or pick_int4_kernel(model, module)
         if kernel not in INT4_KERNELS:
@@ -266,14 +286,17 @@ class FusedDecodeStep:
             raise ValueError(f"int4_kernel {kernel!r} cannot read this torch's packed layout")
         if kernel == "avx512_bf16" and block != 64:
             raise ValueError(f"int4_kernel avx512_bf16 reads 64-column blocks, torch packs {block}")
-        tensors = [t for layer in model.layers for t in layer_tensors(layer, kernel)]
+        strips: StripsOf | None = None
+        if kernel == "avx2_fp32" and q8_activations:
+            strips = functools.partial(_strips, module, block)
+        tensors = [t for layer in model.layers for t in layer_tensors(layer, kernel, strips)]
         rotary = model.rotary
         decoder = module.FusedDecoder(
             tensors, model.embed, rotary.cos, rotary.sin, c.num_heads, c.num_kv_heads,
             c.head_dim, c.rms_norm_eps, INT4_KERNELS.index(kernel), block or 64, attention_chunks,
         )  # fmt: skip
         logger.info("fused decode step: 4-bit products by the %s kernel", kernel)
-        return cls(model, module, decoder, kernel)
+        return cls(model, module, decoder, kernel, q8_mlp=strips is not None)
 
     @staticmethod
     def can_run(meta: AttentionMetadata) -> bool:
@@ -305,6 +328,10 @@ class FusedDecodeStep:
             for j in [min(rows, i + ROWS_PER_CALL)]
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _strips(module: ModuleType, block: int, packed: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    return module.int4_strips(packed, k, n, block)
 
 
 class FusedDecode:

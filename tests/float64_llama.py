@@ -36,6 +36,14 @@ class Float64Forward:
     lm_head: torch.Tensor  # [vocab_size, hidden_size] as used for the logits (float64)
 
 
+def q8_round(x: torch.Tensor) -> torch.Tensor:
+    """x quantized per group of 32 along its last dimension to 8-bit codes, as values."""
+    groups = x.reshape(*x.shape[:-1], -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(groups / torch.where(step > 0, step, 1))
+    return (codes * step).reshape(x.shape)
+
+
 def _mask(rows: Sequence[bool] | None, n: int) -> torch.Tensor:
     if rows is None:
         return torch.zeros(n, 1, dtype=torch.bool)
@@ -51,6 +59,7 @@ def llama_forward(
     bf16_product_rows: Sequence[bool] | None = None,
     bf16_head_rows: Sequence[bool] | None = None,
     bf16_product_outputs: bool = True,
+    q8_mlp_rows: Sequence[bool] | None = None,
     kv_transform: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     | None = None,
 ) -> Float64Forward:
@@ -60,7 +69,9 @@ def llama_forward(
     bfloat16-rounded outputs (unrounded with ``bf16_product_outputs=False``), the weights used
     as given (torch's int4 kernel on weights whose 4-bit copy is lossless). bf16_head_rows[t]:
     token t's logits are the bfloat16-rounded product of its bfloat16-rounded hidden state and
-    the bfloat16-rounded output projection.
+    the bfloat16-rounded output projection. q8_mlp_rows[t]: token t's MLP products take inputs
+    quantized per group of 32 to 8 bits (step max|x| / 127, nearest, ties to even), as the
+    AVX2 kernel of wide fused steps (engine_proc/native/int4_q8_kernels.h).
     kv_transform(layer, k, v) -> (k, v): what a quantised KV cache stores of each layer's K
     (after rotary) and V, [T, num_kv_heads, head_dim], e.g. a quantise-dequantise round trip.
     Everything else is exact (to float64)."""
@@ -68,9 +79,12 @@ def llama_forward(
     n = len(ids)
     w = {k: v.detach().to(torch.float64) for k, v in weights.items()}
     rounded = _mask(bf16_product_rows, n)
+    q8_rows = _mask(q8_mlp_rows, n)
 
     def linear(x: torch.Tensor, name: str) -> torch.Tensor:
         x = torch.where(rounded, bf16_round(x), x)
+        if ".mlp." in name:
+            x = torch.where(q8_rows, q8_round(x), x)
         y = x @ w[name].t()
         bias = name.removesuffix(".weight") + ".bias"
         if bf16_product_outputs:

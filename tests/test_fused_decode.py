@@ -115,8 +115,10 @@ def _products(step: fd.FusedDecodeStep, rows: int) -> str:
     """What a fused step of ``rows`` rows computes (tests/test_int4.py: DECODE_PRODUCTS)."""
     if step.int4_kernel == "torch":
         return "bf16"
-    if rows <= step.precise_rows or step.int4_kernel == "avx2_fp32":  # AVX2: float32 at any width
+    if rows <= step.precise_rows:
         return "exact"
+    if step.int4_kernel == "avx2_fp32":  # float32 products, the MLP's on 8-bit activations
+        return "q8_mlp" if step.q8_mlp else "exact"
     return "bf16_in"
 
 
@@ -131,12 +133,15 @@ def test_fused_greedy_decoding_follows_the_float64_reference(extension, native_b
 
 
 @pytest.mark.slow
-def test_wide_fused_steps_take_bf16_activations(extension):
+@pytest.mark.parametrize("q8_activations", [True, False])
+def test_wide_fused_steps_take_bf16_activations(extension, q8_activations):
     """Steps wider than precise_rows (set to 0 here: every step) run our kernels' fast
-    products: bfloat16 activations, float32 outputs (AVX512-BF16); float32 products on AVX2."""
+    products: bfloat16 activations, float32 outputs (AVX512-BF16); float32 products on AVX2,
+    the MLP's on 8-bit activations (unless turned off)."""
     engine = _engine("fused")
-    step = engine.runner.fused.step
-    assert step is not None
+    step = fd.FusedDecodeStep.create(engine.model, extension, q8_activations=q8_activations)
+    engine.runner.fused.step = step
+    assert step.q8_mlp == (q8_activations and step.int4_kernel == "avx2_fp32")
     step.precise_rows = 0
     native = engine.model.native_bf16
     check_greedy_decoding_against_reference(engine, native, decode_products=_products(step, 1))

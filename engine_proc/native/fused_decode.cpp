@@ -8,12 +8,15 @@
 // SiLU-and-multiply), around 4-bit products with float32 outputs whose activations enter as
 // bfloat16 (fast: the eager int4 path's arithmetic, engine_proc/models/llama.py) or as a
 // bfloat16 pair hi + lo (precise: the dense float32 model's products to 2^-18; see
-// int4_kernels.h). The caller picks per step.
+// int4_kernels.h). The caller picks per step. On AVX2 (float32 products) fast steps take the
+// MLP's activations as 8-bit codes instead, where its weights come with strips
+// (int4_q8_kernels.h).
 
 #include "attention.h"
 #include "common.h"
 #include "head_kernels.h"
 #include "int4_kernels.h"
+#include "int4_q8_kernels.h"
 
 namespace kvscope {
 namespace {
@@ -23,6 +26,7 @@ struct Linear4 {
   at::Tensor scales_zeros;  // [in / 32, out, 2] bfloat16 (torch's kernel)
   at::Tensor planes;        // [in / 32, 2, out] float32 scale and low (ours)
   at::Tensor bias;          // float32 [out] or empty
+  at::Tensor strips;        // [out / 16, in / 4, 32] (int4_q8_kernels.h) or empty
 };
 
 struct Layer {
@@ -56,13 +60,13 @@ class FusedDecoder {
       : embed_(std::move(embed)), cos_(std::move(cos)), sin_(std::move(sin)), heads_(heads), kv_heads_(kv_heads),
         head_dim_(head_dim), eps_(static_cast<float>(eps)), int4_kernel_(int4_kernel),
         pack_block_(pack_block), attention_chunks_(attention_chunks) {
-    constexpr size_t kPerLayer = 18;  // see fused_decode.py: layer_tensors
-    TORCH_CHECK(tensors.size() % kPerLayer == 0, "expected 18 tensors per layer");
+    constexpr size_t kPerLayer = 22;  // see fused_decode.py: layer_tensors
+    TORCH_CHECK(tensors.size() % kPerLayer == 0, "expected 22 tensors per layer");
     for (size_t i = 0; i < tensors.size(); i += kPerLayer) {
       const at::Tensor* t = &tensors[i];
       layers_.push_back(Layer{t[0], t[1],
-                              {t[2], t[3], t[4], t[5]}, {t[6], t[7], t[8], t[9]},
-                              {t[10], t[11], t[12], t[13]}, {t[14], t[15], t[16], t[17]}});
+                              {t[2], t[3], t[4], t[5], t[6]}, {t[7], t[8], t[9], t[10], t[11]},
+                              {t[12], t[13], t[14], t[15], t[16]}, {t[17], t[18], t[19], t[20], t[21]}});
     }
     TORCH_CHECK(cos_.is_contiguous() && cos_.scalar_type() == at::kFloat, "cos: float32");
   }
@@ -181,7 +185,10 @@ class FusedDecoder {
   int64_t pack_block_;        // columns per block of torch's packed 4-bit layout (64 or 32)
   int64_t attention_chunks_;  // key chunks per row; 0: by context length and threads
 
+  // Fast steps read 8-bit activations where the weight has strips (AVX2; see
+  // int4_q8_kernels.h), else the 4-bit kernel picked.
   at::Tensor int4_mm(const at::Tensor& x, const Linear4& w, bool precise) const {
+    if (!precise && w.strips.numel() > 0) return int4_mm_q8(x, w.strips, w.planes, true);
     return int4_mm_kernel(x, w.packed, w.scales_zeros, w.planes, int4_kernel_, precise, pack_block_);
   }
 };
@@ -203,6 +210,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512_bf16", &has_avx512_bf16);
   m.def("has_avx2", &has_avx2);
   m.def("int4_mm", &int4_mm_kernel, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int4_strips", &int4_strips, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int4_mm_q8", &int4_mm_q8, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_pack", &q8_pack, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_logits", &q8_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_bf16_available", &q8_bf16_available);

@@ -431,23 +431,21 @@ inline void int4_chunk_tiles_avx2(const Chunk32& ch, const P* planes, int64_t k,
 // (tile_gemm.h: unfolded sums, the same products to float32 rounding). Within each, a row's
 // products do not depend on the rows beside it.
 template <typename P>
-void int4_rows_avx2(const uint8_t* w, const P* planes, const float* x, const float* xsums,
-                    int64_t rows, int64_t k, int64_t n, int64_t block, int64_t pack_block,
-                    float* out) {
-  for (int64_t chunk = 0; chunk < pack_block / 32; ++chunk) {
-    const Chunk32 ch = chunk32(w, k, block, pack_block, chunk);
-    if (rows >= kAvx2TileRows) {
-      float* tiles = tile_buffer(2 * k);
-      int4_chunk_tiles_avx2(ch, planes, k, n, tiles);
-      for (int t = 0; t < 2; ++t) {
-        const int64_t col = ch.col[2 * t];
-        tile_all_rows(tiles + t * k * kTileCols, x, rows, k, out + col, n);
-      }
-    } else if (rows == 2) {
-      int4_cols32_avx2<2>(ch, planes, x, xsums, k, n, out);
-    } else {
-      int4_cols32_avx2<1>(ch, planes, x, xsums, k, n, out);
+void int4_chunk_rows_avx2(const uint8_t* w, const P* planes, const float* x, const float* xsums,
+                          int64_t rows, int64_t k, int64_t n, int64_t block, int64_t pack_block,
+                          int64_t chunk, float* out) {
+  const Chunk32 ch = chunk32(w, k, block, pack_block, chunk);
+  if (rows >= kAvx2TileRows) {
+    float* tiles = tile_buffer(2 * k);
+    int4_chunk_tiles_avx2(ch, planes, k, n, tiles);
+    for (int t = 0; t < 2; ++t) {
+      const int64_t col = ch.col[2 * t];
+      tile_all_rows(tiles + t * k * kTileCols, x, rows, k, out + col, n);
     }
+  } else if (rows == 2) {
+    int4_cols32_avx2<2>(ch, planes, x, xsums, k, n, out);
+  } else {
+    int4_cols32_avx2<1>(ch, planes, x, xsums, k, n, out);
   }
 }
 #endif
@@ -464,16 +462,22 @@ inline std::vector<float> group_sums(const float* x, int64_t rows, int64_t k) {
 }
 
 // The products of one block of columns for every row, with the kernel picked (not kTorch).
+// (The AVX2 kernel's unit of work is a 32-column chunk: a 576-column product is 18 of them,
+// 9 per thread of two, where 9 blocks of 64 split 5 and 4.)
 template <typename P>
 void int4_rows(const uint8_t* w, const P* planes, const float* x, const float* xsums,
-               int64_t rows, int64_t k, int64_t n, int64_t block, int64_t pack_block,
-               int64_t kernel, bool precise, float* out) {
+               int64_t rows, int64_t k, int64_t n, int64_t pack_block, int64_t kernel,
+               bool precise, int64_t c0, int64_t c1, float* out) {
 #if KVSCOPE_HAVE_AVX2
-  if (kernel == kAvx2Fp32)
-    return int4_rows_avx2(w, planes, x, xsums, rows, k, n, block, pack_block, out);
+  if (kernel == kAvx2Fp32) {
+    const int64_t per_block = pack_block / 32;
+    for (int64_t c = c0; c < c1; ++c)
+      int4_chunk_rows_avx2(w, planes, x, xsums, rows, k, n, c / per_block, pack_block, c % per_block, out);
+    return;
+  }
 #endif
   (void)kernel, (void)xsums;
-  int4_block_portable(w, planes, x, rows, k, n, block, pack_block, precise, out);
+  for (int64_t b = c0; b < c1; ++b) int4_block_portable(w, planes, x, rows, k, n, b, pack_block, precise, out);
 }
 
 // x [rows, K] float32 times a 4-bit weight -> float32 [rows, N]. precise: see the top of
@@ -522,13 +526,12 @@ at::Tensor int4_mm_kernel(const at::Tensor& x, const at::Tensor& packed, const a
   // the narrow AVX2 path's group sums of x (the tiles and the portable kernel need none)
   const std::vector<float> xsums =
       kernel == kAvx2Fp32 && rows < kAvx2TileRows ? group_sums(xp, rows, k) : std::vector<float>{};
-  at::parallel_for(0, n / pack_block, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      if (half)
-        int4_rows(w, ph, xp, xsums.data(), rows, k, n, b, pack_block, kernel, precise, op);
-      else
-        int4_rows(w, pf, xp, xsums.data(), rows, k, n, b, pack_block, kernel, precise, op);
-    }
+  const int64_t units = kernel == kAvx2Fp32 ? n / 32 : n / pack_block;  // chunks or blocks
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    if (half)
+      int4_rows(w, ph, xp, xsums.data(), rows, k, n, pack_block, kernel, precise, u0, u1, op);
+    else
+      int4_rows(w, pf, xp, xsums.data(), rows, k, n, pack_block, kernel, precise, u0, u1, op);
   });
   return out;
 }
