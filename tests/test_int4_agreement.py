@@ -46,6 +46,9 @@ pytestmark = [
 # The largest logit error of the bf16-activation int4 path measured at a divergence was 0.234;
 # a wrong 4-bit product (a layout, scale or sign error) moves logits by whole units.
 NEAR_TIE = 0.35
+# Wide AVX2 steps' 8-bit MLP activations: a divergence measured where the dense choice led by
+# 0.61 (test_wide_fused_steps_follow_the_dense_model).
+Q8_NEAR_TIE = 1.0
 
 
 def _leading_agreement(ours: list[int], reference: list[int]) -> int:
@@ -53,6 +56,24 @@ def _leading_agreement(ours: list[int], reference: list[int]) -> int:
     while n < min(len(ours), len(reference)) and ours[n] == reference[n]:
         n += 1
     return n
+
+
+def _divergences(
+    hf_model, prompt_ids: list[list[int]], replies: list[list[int]], references: list[list[int]]
+) -> list[tuple[int, float | None]]:
+    """Per reply: its leading tokens equal to the dense reference, and where it leaves it, the
+    dense model's logit margin of its own token over ours (None: identical)."""
+    found: list[tuple[int, float | None]] = []
+    for prompt, ours, ref in zip(prompt_ids, replies, references, strict=True):
+        n = _leading_agreement(ours, ref)
+        if n == len(ref) == len(ours):
+            found.append((n, None))
+            continue
+        assert n < min(len(ref), len(ours)), (ours, ref)  # no reply stops early or runs on
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + ref[:n]]), logits_to_keep=1).logits
+        found.append((n, float(logits[0, -1, ref[n]] - logits[0, -1, ours[n]])))
+    return found
 
 
 def test_int4_replies_leave_the_dense_model_only_at_near_ties(
@@ -64,17 +85,7 @@ def test_int4_replies_leave_the_dense_model_only_at_near_ties(
     )
     assert engine.model_info()["decode_weights"] == "int4"
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=PARITY_TOKENS, temperature=0))
-    found: list[tuple[int, float | None]] = []
-    for prompt, out, ref in zip(prompt_ids, outputs, references, strict=True):
-        ours = out.token_ids
-        n = _leading_agreement(ours, ref)
-        if n == len(ref) == len(ours):
-            found.append((n, None))
-            continue
-        assert n < min(len(ref), len(ours)), (ours, ref)  # no reply stops early or runs on
-        with torch.no_grad():
-            logits = hf_default_model(torch.tensor([prompt + ref[:n]]), logits_to_keep=1).logits
-        found.append((n, float(logits[0, -1, ref[n]] - logits[0, -1, ours[n]])))
+    found = _divergences(hf_default_model, prompt_ids, [o.token_ids for o in outputs], references)
     note = f"(leading tokens equal, dense margin at the divergence): {found}"
     assert all(m is None or 0 <= m < NEAR_TIE for _, m in found), note
     identical = sum(m is None for _, m in found)
@@ -106,12 +117,16 @@ def test_fused_int4_replies_are_the_dense_models(default_checkpoint, parity_refe
     assert engine.runner.num_fused_steps > 0
 
 
-def test_wide_fused_steps_follow_the_dense_model(default_checkpoint, parity_references) -> None:
+def test_wide_fused_steps_follow_the_dense_model(
+    default_checkpoint, parity_references, hf_default_model
+) -> None:
     """Steps wider than PRECISE_ROWS take fast products: on AVX2 the MLP's on 8-bit activations
     (int4_q8_kernels.h), on AVX512-BF16 all four on bfloat16 activations. The parity prompts
-    twice over, 16 rows a step: on AVX2 (measured 7 of 8, both copies) the dense model's first
-    32 tokens on at least 7 of 8; on AVX512-BF16, whose single bfloat16 activations gave 6 of 8
-    (see the top of this file), at least 5, as the eager bfloat16 path."""
+    twice over, 16 rows a step: a reply leaves the dense one only at a near-tie, and most stay
+    identical. Measured on AVX2 (8-bit MLP activations): 7 of 8 identical for 32 tokens in both
+    copies (all four products on 8 bits: 5 of 8), one divergence where the dense choice led by
+    0.61, so 8-bit activations move logits further than bfloat16 ones (Q8_NEAR_TIE). On
+    AVX512-BF16 single bfloat16 activations gave 6 of 8 (see the top of this file)."""
     from engine_proc import fused_decode as fd
 
     why = fd.build_unavailable_reason()
@@ -127,13 +142,14 @@ def test_wide_fused_steps_follow_the_dense_model(default_checkpoint, parity_refe
     if step.int4_kernel == "torch":
         pytest.skip("our 4-bit kernels need AVX2; torch's has bfloat16 activations")
     assert 2 * len(prompt_ids) > step.precise_rows
-    needed = 7 if step.int4_kernel == "avx2_fp32" else 5
     params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0)
     replies = [o.token_ids for o in engine.generate(prompt_ids * 2, params)]
     # (the copies may differ: the second's prompt comes from the prefix cache, a different
     # prefill whose last bits can move a near-tie)
+    near_tie, identical = (Q8_NEAR_TIE, 6) if step.q8_mlp else (NEAR_TIE, 5)
     for copy in (replies[: len(prompt_ids)], replies[len(prompt_ids) :]):
-        leading = [_leading_agreement(r, ref) for r, ref in zip(copy, references, strict=True)]
-        equal = sum(r[:32] == ref[:32] for r, ref in zip(copy, references, strict=True))
-        assert equal >= needed, leading
+        found = _divergences(hf_default_model, prompt_ids, copy, references)
+        note = f"(leading tokens equal, dense margin at the divergence): {found}"
+        assert all(m is None or 0 <= m < near_tie for _, m in found), note
+        assert sum(m is None for _, m in found) >= identical, note
     assert engine.runner.num_fused_steps > 0
