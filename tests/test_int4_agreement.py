@@ -92,21 +92,27 @@ def test_int4_replies_leave_the_dense_model_only_at_near_ties(
     assert identical >= 5, note  # measured: 5 to 7 of 8, by arithmetic and batching
 
 
-def test_fused_int4_replies_are_the_dense_models(default_checkpoint, parity_references) -> None:
+def _fused_engine(checkpoint, num_kv_blocks: int) -> LLMEngine:
+    """An int4 engine on the fused step with our 4-bit kernels (skips where there are none)."""
     from engine_proc import fused_decode as fd
 
     why = fd.build_unavailable_reason()
     if why is not None:
         pytest.skip(f"the fused decode step {why}")
-    prompt_ids, references = parity_references
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=512, decode_weights="int4", decode_step="fused"),
-        checkpoint=default_checkpoint,
+        EngineConfig(num_kv_blocks=num_kv_blocks, decode_weights="int4", decode_step="fused"),
+        checkpoint=checkpoint,
     )
     step = engine.runner.fused.step
     assert step is not None
     if step.int4_kernel == "torch":
         pytest.skip("our 4-bit kernels need AVX2; torch's has bfloat16 activations")
+    return engine
+
+
+def test_fused_int4_replies_are_the_dense_models(default_checkpoint, parity_references) -> None:
+    prompt_ids, references = parity_references
+    engine = _fused_engine(default_checkpoint, 512)
     params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0)
     together = [o.token_ids for o in engine.generate(prompt_ids, params)]
     alone = [engine.generate([p], params)[0].token_ids for p in prompt_ids]
@@ -127,21 +133,10 @@ def test_wide_fused_steps_follow_the_dense_model(
     copies (all four products on 8 bits: 5 of 8), one divergence where the dense choice led by
     0.61, so 8-bit activations move logits further than bfloat16 ones (Q8_NEAR_TIE). On
     AVX512-BF16 single bfloat16 activations gave 6 of 8 (see the top of this file)."""
-    from engine_proc import fused_decode as fd
-
-    why = fd.build_unavailable_reason()
-    if why is not None:
-        pytest.skip(f"the fused decode step {why}")
     prompt_ids, references = parity_references
-    engine = LLMEngine(
-        EngineConfig(num_kv_blocks=1024, decode_weights="int4", decode_step="fused"),
-        checkpoint=default_checkpoint,
-    )
+    engine = _fused_engine(default_checkpoint, 1024)
     step = engine.runner.fused.step
-    assert step is not None
-    if step.int4_kernel == "torch":
-        pytest.skip("our 4-bit kernels need AVX2; torch's has bfloat16 activations")
-    assert 2 * len(prompt_ids) > step.precise_rows
+    assert step is not None and 2 * len(prompt_ids) > step.precise_rows
     params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0)
     replies = [o.token_ids for o in engine.generate(prompt_ids * 2, params)]
     # (the copies may differ: the second's prompt comes from the prefix cache, a different
