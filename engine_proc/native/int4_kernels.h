@@ -461,9 +461,9 @@ inline std::vector<float> group_sums(const float* x, int64_t rows, int64_t k) {
   return sums;
 }
 
-// The products of one block of columns for every row, with the kernel picked (not kTorch).
-// (The AVX2 kernel's unit of work is a 32-column chunk: a 576-column product is 18 of them,
-// 9 per thread of two, where 9 blocks of 64 split 5 and 4.)
+// The products of units [c0, c1) of columns for every row, with the kernel picked (not
+// kTorch): 32-column chunks for the AVX2 kernel (a 576-column product is 18 of them, 9 per
+// thread of two, where 9 blocks of 64 split 5 and 4), blocks for the portable one.
 template <typename P>
 void int4_rows(const uint8_t* w, const P* planes, const float* x, const float* xsums,
                int64_t rows, int64_t k, int64_t n, int64_t pack_block, int64_t kernel,
