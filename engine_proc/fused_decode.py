@@ -13,10 +13,10 @@ float32 model with 4-bit decode weights and a float32 KV cache; every other step
 Steps of up to ``PRECISE_ROWS`` rows (a person chatting, a few chats at once) compute the
 4-bit products with bfloat16 activation pairs, so their replies are the dense model's (its
 float32 products to 2^-18); wider steps, where the products' arithmetic is the bound, with
-single bfloat16 activations (as torch's int4 kernel and the eager path do). CPUs with AVX2 but
-not AVX512-BF16 compute float32 products (no bfloat16 dot products to gain from), except the
-MLP's in wider steps: activations quantized to 8 bits per group of 32 against the 4-bit codes
-in integer dot products (int4_q8_kernels.h, llama.cpp's Q4_1 x Q8_1 arithmetic).
+activations quantized to 8 bits per group of 32 against the 4-bit codes in integer dot
+products (int4_q8_kernels.h, llama.cpp's Q4_1 x Q8_1 arithmetic): all four products on
+AVX512-VNNI CPUs, the MLP's on AVX2 ones (``Q8_PRODUCTS``). CPUs with AVX2 but not
+AVX512-BF16 compute their other products in float32 (no bfloat16 dot products to gain from).
 """
 
 from __future__ import annotations
@@ -149,8 +149,18 @@ def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
 
 # 4-bit product kernels (the C++ Int4Kernel enum, in order): torch's own; ours, reading torch's
 # packed layout: portable scalar code (any CPU; slow, for tests), AVX512-BF16 dot products, or
-# AVX2 float32 FMAs (CPUs without AVX512-BF16; with 8-bit activations for the MLP of wide steps).
+# AVX2 float32 FMAs (CPUs without AVX512-BF16). Wide steps: see Q8_PRODUCTS.
 INT4_KERNELS = ("torch", "portable", "avx512_bf16", "avx2_fp32")
+# 8-bit-activation kernels of wide steps' products (the C++ Q8Kernel enum, in order); the
+# fused step runs the fastest compiled in (module.best_q8_kernel()).
+Q8_KERNELS = ("portable", "avx2", "avx512_vnni")
+# The products of wide steps on 8-bit activations, by 4-bit kernel. Measured with the parity
+# prompts twice over in 16-row steps (replies identical to the dense model's for 32 tokens, of
+# 8, each copy): AVX2 keeps the attention's two in float32 (the MLP's on 8 bits: 7 and 7; all
+# four: 5); on AVX512-BF16 the alternative is single bfloat16 activations, no closer (the MLP's
+# on 8 bits: 6 and 7; all four: 7 and 7), and the VNNI kernel runs at twice its speed (16 and
+# 64 rows, Zen 4).
+Q8_PRODUCTS = {"avx2_fp32": ("gate_up", "down"), "avx512_bf16": ("qkv", "o", "gate_up", "down")}
 # Rows of one extension call (a wider decode step makes several). Measured at 64 streams on 2
 # cores: 64 rows a call 616 tok/s, 16 rows a call 517 (the products' threads share more work).
 ROWS_PER_CALL = 64
@@ -232,21 +242,24 @@ def _linear(
 
 
 def layer_tensors(
-    layer: LlamaLayer, kernel: str, strips: StripsOf | None = None
+    layer: LlamaLayer,
+    kernel: str,
+    strips: StripsOf | None = None,
+    q8_products: tuple[str, ...] = (),
 ) -> list[torch.Tensor]:
     """The 22 tensors per layer the C++ side reads, in its order, for ``kernel``; with
-    ``strips``, the MLP products' codes in the 8-bit-activation kernel's layout.
-    Only the MLP's: the parity prompts twice over in 16-row steps (AVX2) gave the dense
-    model's first 32 tokens on 5 of 8 with all four products on 8-bit activations, 7 of 8
-    (both copies) with the attention's two in float32; the MLP holds 3/4 of the weights."""
-    return [
-        layer.input_norm.contiguous(),
-        layer.post_norm.contiguous(),
-        *_linear(layer.qkv_int4, layer.qkv_bias, kernel, None),
-        *_linear(layer.o_int4, None, kernel, None),
-        *_linear(layer.gate_up_int4, None, kernel, strips),
-        *_linear(layer.down_int4, None, kernel, strips),
-    ]
+    ``strips``, the codes of the ``q8_products`` (names from Q8_PRODUCTS) in the 8-bit-activation
+    kernel's layout."""
+    products = {
+        "qkv": (layer.qkv_int4, layer.qkv_bias),
+        "o": (layer.o_int4, None),
+        "gate_up": (layer.gate_up_int4, None),
+        "down": (layer.down_int4, None),
+    }
+    tensors = [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
+    for name, (w, bias) in products.items():
+        tensors += _linear(w, bias, kernel, strips if name in q8_products else None)
+    return tensors
 
 
 @dataclass(slots=True)
@@ -258,7 +271,7 @@ class FusedDecodeStep:
     decoder: object
     int4_kernel: str = "torch"  # one of INT4_KERNELS
     precise_rows: int = PRECISE_ROWS  # steps up to this many rows: precise products (ours)
-    q8_mlp: bool = False  # wider steps' MLP products on 8-bit activations (AVX2 kernel)
+    q8_products: tuple[str, ...] = ()  # wider steps' products on 8-bit activations
     # Logits of wider steps (hidden -> float32 logits), when set: bfloat16 activations against
     # the exact 8-bit output projection (use_head_kernel); else the model's compute_logits.
     wide_head: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -275,8 +288,8 @@ class FusedDecodeStep:
         """int4_kernel: one of INT4_KERNELS; None picks avx512_bf16 where it can run.
         attention_chunks: key chunks per sequence attended in parallel and merged; 0 picks by
         context length and thread count (tests force the merge with more).
-        q8_activations: wide steps on the AVX2 kernel quantize the MLP's activations to 8 bits
-        (int4_q8_kernels.h), as llama.cpp does; False keeps float32 products at every width."""
+        q8_activations: wide steps quantize the activations of the Q8_PRODUCTS to 8 bits
+        (int4_q8_kernels.h), as llama.cpp does; False keeps the 4-bit kernel's products."""
         c = model.config
         kernel = int4_kernel or pick_int4_kernel(model, module)
         if kernel not in INT4_KERNELS:
@@ -286,17 +299,22 @@ class FusedDecodeStep:
             raise ValueError(f"int4_kernel {kernel!r} cannot read this torch's packed layout")
         if kernel == "avx512_bf16" and block != 64:
             raise ValueError(f"int4_kernel avx512_bf16 reads 64-column blocks, torch packs {block}")
-        strips: StripsOf | None = None
-        if kernel == "avx2_fp32" and q8_activations:
-            strips = functools.partial(_strips, module, block)
-        tensors = [t for layer in model.layers for t in layer_tensors(layer, kernel, strips)]
+        q8_products = Q8_PRODUCTS.get(kernel, ()) if q8_activations else ()
+        strips = functools.partial(_strips, module, block)
+        tensors = [
+            t for layer in model.layers for t in layer_tensors(layer, kernel, strips, q8_products)
+        ]
         rotary = model.rotary
         decoder = module.FusedDecoder(
             tensors, model.embed, rotary.cos, rotary.sin, c.num_heads, c.num_kv_heads,
             c.head_dim, c.rms_norm_eps, INT4_KERNELS.index(kernel), block or 64, attention_chunks,
         )  # fmt: skip
-        logger.info("fused decode step: 4-bit products by the %s kernel", kernel)
-        return cls(model, module, decoder, kernel, q8_mlp=strips is not None)
+        logger.info(
+            "fused decode step: 4-bit products by the %s kernel, wide steps' %s on 8-bit "
+            "activations (%s)", kernel, ", ".join(q8_products) or "none",
+            Q8_KERNELS[module.best_q8_kernel()],
+        )  # fmt: skip
+        return cls(model, module, decoder, kernel, q8_products=q8_products)
 
     @staticmethod
     def can_run(meta: AttentionMetadata) -> bool:

@@ -60,6 +60,7 @@ def llama_forward(
     bf16_head_rows: Sequence[bool] | None = None,
     bf16_product_outputs: bool = True,
     q8_mlp_rows: Sequence[bool] | None = None,
+    q8_attention_rows: Sequence[bool] | None = None,
     kv_transform: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     | None = None,
 ) -> Float64Forward:
@@ -71,7 +72,8 @@ def llama_forward(
     token t's logits are the bfloat16-rounded product of its bfloat16-rounded hidden state and
     the bfloat16-rounded output projection. q8_mlp_rows[t]: token t's MLP products take inputs
     quantized per group of 32 to 8 bits (step max|x| / 127, nearest, ties to even), as the
-    AVX2 kernel of wide fused steps (engine_proc/native/int4_q8_kernels.h).
+    kernels of wide fused steps (engine_proc/native/int4_q8_kernels.h); q8_attention_rows[t]:
+    the attention's two products (q, k, v and o) too.
     kv_transform(layer, k, v) -> (k, v): what a quantised KV cache stores of each layer's K
     (after rotary) and V, [T, num_kv_heads, head_dim], e.g. a quantise-dequantise round trip.
     Everything else is exact (to float64)."""
@@ -79,12 +81,11 @@ def llama_forward(
     n = len(ids)
     w = {k: v.detach().to(torch.float64) for k, v in weights.items()}
     rounded = _mask(bf16_product_rows, n)
-    q8_rows = _mask(q8_mlp_rows, n)
+    q8_mlp, q8_attention = _mask(q8_mlp_rows, n), _mask(q8_attention_rows, n)
 
     def linear(x: torch.Tensor, name: str) -> torch.Tensor:
         x = torch.where(rounded, bf16_round(x), x)
-        if ".mlp." in name:
-            x = torch.where(q8_rows, q8_round(x), x)
+        x = torch.where(q8_mlp if ".mlp." in name else q8_attention, q8_round(x), x)
         y = x @ w[name].t()
         bias = name.removesuffix(".weight") + ".bias"
         if bf16_product_outputs:

@@ -118,8 +118,8 @@ def _products(step: fd.FusedDecodeStep, rows: int) -> str:
     if rows <= step.precise_rows:
         return "exact"
     if step.int4_kernel == "avx2_fp32":  # float32 products, the MLP's on 8-bit activations
-        return "q8_mlp" if step.q8_mlp else "exact"
-    return "bf16_in"
+        return "q8_mlp" if step.q8_products else "exact"
+    return "q8" if step.q8_products else "bf16_in"  # AVX512-BF16
 
 
 @pytest.mark.slow
@@ -136,12 +136,12 @@ def test_fused_greedy_decoding_follows_the_float64_reference(extension, native_b
 @pytest.mark.parametrize("q8_activations", [True, False])
 def test_wide_fused_steps_take_bf16_activations(extension, q8_activations):
     """Steps wider than precise_rows (set to 0 here: every step) run our kernels' fast
-    products: bfloat16 activations, float32 outputs (AVX512-BF16); float32 products on AVX2,
-    the MLP's on 8-bit activations (unless turned off)."""
+    products: bfloat16 activations, float32 outputs (AVX512-BF16); float32 products on AVX2;
+    on both the MLP's on 8-bit activations (unless turned off)."""
     engine = _engine("fused")
     step = fd.FusedDecodeStep.create(engine.model, extension, q8_activations=q8_activations)
     engine.runner.fused.step = step
-    assert step.q8_mlp == (q8_activations and step.int4_kernel == "avx2_fp32")
+    assert step.q8_products == (fd.Q8_PRODUCTS.get(step.int4_kernel, ()) if q8_activations else ())
     step.precise_rows = 0
     native = engine.model.native_bf16
     check_greedy_decoding_against_reference(engine, native, decode_products=_products(step, 1))

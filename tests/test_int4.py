@@ -266,8 +266,9 @@ def test_int4_greedy_decoding_follows_a_float64_reference_of_its_arithmetic(nati
 # What a decode step's 4-bit products compute, for the float64 reference: "bf16" bfloat16
 # activations and outputs (torch's kernel); "bf16_in" bfloat16 activations, float32 outputs (the
 # fused step's own kernels in wide steps); "exact" the dense float32 product (theirs in narrow
-# steps: activations as bfloat16 pairs).
-DECODE_PRODUCTS = ("bf16", "bf16_in", "exact", "q8_mlp")
+# steps: activations as bfloat16 pairs); "q8_mlp" the MLP's on 8-bit activations, the others
+# exact (AVX2's wide steps); "q8" all four on 8-bit activations (AVX512-BF16's wide steps).
+DECODE_PRODUCTS = ("bf16", "bf16_in", "exact", "q8_mlp", "q8")
 
 
 def check_greedy_decoding_against_reference(
@@ -313,7 +314,7 @@ def check_greedy_decoding_against_reference(
         assert [len(s) for s in step_logits] == [len(prompts)] * params.max_tokens
         prefill_int4 = False  # prompts always run the dense weights
         decode_bf16 = decode_products in ("bf16", "bf16_in")
-        decode_q8 = decode_products == "q8_mlp"  # float32 products, the MLP's on 8-bit inputs
+        decode_q8 = decode_products in ("q8_mlp", "q8")  # float32 products on 8-bit inputs
         head_bf16 = len(prompts) <= bf16_head_rows
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             seq = prompt + out[:-1]
@@ -325,6 +326,8 @@ def check_greedy_decoding_against_reference(
                 bf16_head_rows=[head_bf16] * len(seq),
                 bf16_product_outputs=decode_products == "bf16",
                 q8_mlp_rows=[False] * len(prompt) + [decode_q8] * (len(out) - 1),
+                q8_attention_rows=[False] * len(prompt)
+                + [decode_products == "q8"] * (len(out) - 1),
             )
             expected = ref.logits[len(prompt) - 1 :]
             got = torch.stack([logits[i] for logits in step_logits]).double()

@@ -126,13 +126,15 @@ def test_fused_int4_replies_are_the_dense_models(default_checkpoint, parity_refe
 def test_wide_fused_steps_follow_the_dense_model(
     default_checkpoint, parity_references, hf_default_model
 ) -> None:
-    """Steps wider than PRECISE_ROWS take fast products: on AVX2 the MLP's on 8-bit activations
-    (int4_q8_kernels.h), on AVX512-BF16 all four on bfloat16 activations. The parity prompts
-    twice over, 16 rows a step: a reply leaves the dense one only at a near-tie, and most stay
-    identical. Measured on AVX2 (8-bit MLP activations): 7 of 8 identical for 32 tokens in both
-    copies (all four products on 8 bits: 5 of 8), one divergence where the dense choice led by
-    0.61, so 8-bit activations move logits further than bfloat16 ones (Q8_NEAR_TIE). On
-    AVX512-BF16 single bfloat16 activations gave 6 of 8 (see the top of this file)."""
+    """Steps wider than PRECISE_ROWS take fast products on 8-bit activations
+    (int4_q8_kernels.h): on AVX2 the MLP's, on AVX512-BF16 all four (fused_decode.Q8_PRODUCTS).
+    The parity prompts twice over, 16 rows a step: a reply leaves the dense one only at a
+    near-tie, and most stay identical. Measured on AVX2 (8-bit MLP activations): 7 of 8
+    identical for 32 tokens in both copies (all four products on 8 bits: 5 of 8), one
+    divergence where the dense choice led by 0.61, so 8-bit activations move logits further
+    than bfloat16 ones (Q8_NEAR_TIE). On AVX512-BF16 (Zen 4), all four on 8 bits: 7 and 7 of 8
+    (divergences at margins 0.61 and 0.007); single bfloat16 activations, the kernel without
+    8-bit activations: 6 of 8 (see the top of this file)."""
     prompt_ids, references = parity_references
     engine = _fused_engine(default_checkpoint, 1024)
     step = engine.runner.fused.step
@@ -141,7 +143,7 @@ def test_wide_fused_steps_follow_the_dense_model(
     replies = [o.token_ids for o in engine.generate(prompt_ids * 2, params)]
     # (the copies may differ: the second's prompt comes from the prefix cache, a different
     # prefill whose last bits can move a near-tie)
-    near_tie, identical = (Q8_NEAR_TIE, 6) if step.q8_mlp else (NEAR_TIE, 5)
+    near_tie, identical = (Q8_NEAR_TIE, 6) if step.q8_products else (NEAR_TIE, 5)
     for copy in (replies[: len(prompt_ids)], replies[len(prompt_ids) :]):
         found = _divergences(hf_default_model, prompt_ids, copy, references)
         note = f"(leading tokens equal, dense margin at the divergence): {found}"

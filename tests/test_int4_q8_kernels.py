@@ -1,7 +1,7 @@
 """The 8-bit-activation 4-bit products of wide steps (engine_proc/native/int4_q8_kernels.h):
 the strips layout byte by byte from its definition, and the products against a float64
-recount of the same arithmetic (activations quantized per group of 32 by numpy), the AVX2
-kernel bit for bit the scalar one, each row independent of the rows beside it."""
+recount of the same arithmetic (activations quantized per group of 32 by numpy), the AVX2 and
+AVX512-VNNI kernels bit for bit the scalar one, each row independent of the rows beside it."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def quantize_groups(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return codes, dx, sx
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])  # 7: four, then three
+# AVX2 four rows a pass, AVX512-VNNI eight: 7 = 4 + 3, 15 = 8 + 7 (or 3 x 4 + 3)
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 15, 16])
 @pytest.mark.parametrize("half_planes", [False, True])
 def test_q8_products_are_the_recounted_8bit_activation_products(extension, rows, half_planes):
     dense = snapped_to_float16_q4_1(q4_1_matrix(192, 96, seed=rows)[0])
@@ -70,7 +71,7 @@ def test_q8_products_are_the_recounted_8bit_activation_products(extension, rows,
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, 32:64] = 0  # a group of zeros: no step, codes 0
     strips = _strips(extension, weight)
-    got = extension.int4_mm_q8(x, strips, planes, False)  # the scalar kernel
+    got = extension.int4_mm_q8(x, strips, planes, 0)  # the scalar kernel
     assert got.dtype == torch.float32 and got.shape == (rows, 192)
 
     codes, dx, sx = quantize_groups(x)
@@ -88,22 +89,24 @@ def test_q8_products_are_the_recounted_8bit_activation_products(extension, rows,
     bound = half_steps @ dense.double().abs().t() + rounding
     assert_within(got, x.double() @ dense.double().t(), bound)
 
-    if extension.has_avx2():
-        assert torch.equal(extension.int4_mm_q8(x, strips, planes, True), got)
-        vectorized = True
-    else:
-        with pytest.raises(RuntimeError, match="not compiled in"):
-            extension.int4_mm_q8(x, strips, planes, True)
-        vectorized = False
-    alone = [extension.int4_mm_q8(x[i : i + 1], strips, planes, vectorized) for i in range(rows)]
+    for index, name in enumerate(fd.Q8_KERNELS):
+        if extension.q8_kernel_compiled(index):
+            assert torch.equal(extension.int4_mm_q8(x, strips, planes, index), got), name
+        else:
+            with pytest.raises(RuntimeError, match="not compiled in"):
+                extension.int4_mm_q8(x, strips, planes, index)
+    best = extension.best_q8_kernel()  # the fused step's
+    alone = [extension.int4_mm_q8(x[i : i + 1], strips, planes, best) for i in range(rows)]
     assert torch.equal(torch.cat(alone), got)
 
 
 def test_q8_products_of_no_rows_and_bad_shapes(extension):
     weight = quantize_int4(q4_1_matrix(64, 96, seed=2)[0])
     strips = _strips(extension, weight)
-    assert extension.int4_mm_q8(torch.empty(0, 96), strips, weight.planes, False).shape == (0, 64)
+    assert extension.int4_mm_q8(torch.empty(0, 96), strips, weight.planes, 0).shape == (0, 64)
     with pytest.raises(RuntimeError, match="strips"):
-        extension.int4_mm_q8(torch.randn(2, 96), strips[:2], weight.planes, False)
+        extension.int4_mm_q8(torch.randn(2, 96), strips[:2], weight.planes, 0)
     with pytest.raises(RuntimeError, match="planes"):
-        extension.int4_mm_q8(torch.randn(2, 96), strips, weight.planes.double(), False)
+        extension.int4_mm_q8(torch.randn(2, 96), strips, weight.planes.double(), 0)
+    with pytest.raises(RuntimeError, match=r"kernel must be 0 \(portable\), 1 \(avx2\) or 2"):
+        extension.int4_mm_q8(torch.randn(2, 96), strips, weight.planes, 3)

@@ -22,6 +22,12 @@
 #else
 #define KVSCOPE_HAVE_AVX512_BF16 0
 #endif
+// 8-bit dot products in 512-bit registers (vpdpbusd: Ice Lake, Sapphire Rapids, Zen 4)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVSCOPE_HAVE_AVX512_VNNI 1
+#else
+#define KVSCOPE_HAVE_AVX512_VNNI 0
+#endif
 // AVX2 kernels also use FMA and F16C (every AVX2 CPU since 2013 has both)
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVSCOPE_HAVE_AVX2 1

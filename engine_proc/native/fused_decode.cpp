@@ -8,9 +8,8 @@
 // SiLU-and-multiply), around 4-bit products with float32 outputs whose activations enter as
 // bfloat16 (fast: the eager int4 path's arithmetic, engine_proc/models/llama.py) or as a
 // bfloat16 pair hi + lo (precise: the dense float32 model's products to 2^-18; see
-// int4_kernels.h). The caller picks per step. On AVX2 (float32 products) fast steps take the
-// MLP's activations as 8-bit codes instead, where its weights come with strips
-// (int4_q8_kernels.h).
+// int4_kernels.h). The caller picks per step. Fast steps take the MLP's activations as 8-bit
+// codes instead where its weights come with strips (int4_q8_kernels.h).
 
 #include "attention.h"
 #include "common.h"
@@ -185,16 +184,21 @@ class FusedDecoder {
   int64_t pack_block_;        // columns per block of torch's packed 4-bit layout (64 or 32)
   int64_t attention_chunks_;  // key chunks per row; 0: by context length and threads
 
-  // Fast steps read 8-bit activations where the weight has strips (AVX2; see
-  // int4_q8_kernels.h), else the 4-bit kernel picked.
+  // Fast steps read 8-bit activations where the weight has strips (the fastest kernel of
+  // int4_q8_kernels.h compiled in), else the 4-bit kernel picked.
   at::Tensor int4_mm(const at::Tensor& x, const Linear4& w, bool precise) const {
-    if (!precise && w.strips.numel() > 0) return int4_mm_q8(x, w.strips, w.planes, true);
+    if (!precise && w.strips.numel() > 0)
+      return int4_mm_q8(x, w.strips, w.planes, static_cast<int64_t>(best_q8_kernel()));
     return int4_mm_kernel(x, w.packed, w.scales_zeros, w.planes, int4_kernel_, precise, pack_block_);
   }
 };
 
 bool has_avx512_bf16() { return KVSCOPE_HAVE_AVX512_BF16 != 0; }
 bool has_avx2() { return KVSCOPE_HAVE_AVX2 != 0; }
+int64_t best_q8_kernel_index() { return static_cast<int64_t>(best_q8_kernel()); }
+bool q8_kernel_index_compiled(int64_t index) {
+  return index >= 0 && index <= 2 && q8_kernel_compiled(static_cast<Q8Kernel>(index));
+}
 
 }  // namespace
 }  // namespace kvscope
@@ -209,6 +213,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_logits", &bf16_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_avx512_bf16", &has_avx512_bf16);
   m.def("has_avx2", &has_avx2);
+  m.def("best_q8_kernel", &best_q8_kernel_index);
+  m.def("q8_kernel_compiled", &q8_kernel_index_compiled);
   m.def("int4_mm", &int4_mm_kernel, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_strips", &int4_strips, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_mm_q8", &int4_mm_q8, pybind11::call_guard<pybind11::gil_scoped_release>());

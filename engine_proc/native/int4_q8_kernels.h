@@ -1,4 +1,5 @@
-// 4-bit products with 8-bit activations for wide steps on AVX2 CPUs (llama.cpp's Q4_1 x Q8_1).
+// 4-bit products with 8-bit activations for wide steps (llama.cpp's Q4_1 x Q8_1): AVX2
+// (vpmaddubsw) and AVX512-VNNI (vpdpbusd) kernels, and a scalar twin for tests.
 //
 // Float32 FMAs do 8 multiply-adds an instruction; vpmaddubsw does 32 (unsigned 8-bit times
 // signed 8-bit, pairs summed into 16 bits). So for steps wide enough that the products'
@@ -20,6 +21,26 @@
 namespace kvscope {
 
 constexpr int64_t kStripCols = 16;
+constexpr int kVnniRows = 8;  // rows a pass of the AVX512-VNNI kernel: 2 x 8 of its 32 registers
+
+// The 8-bit-activation kernels, in the order of Q8_KERNELS (engine_proc/fused_decode.py).
+enum class Q8Kernel : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+
+inline bool q8_kernel_compiled(Q8Kernel kernel) {
+  switch (kernel) {
+    case Q8Kernel::kPortable: return true;
+    case Q8Kernel::kAvx2: return KVSCOPE_HAVE_AVX2 != 0;
+    case Q8Kernel::kAvx512Vnni: return KVSCOPE_HAVE_AVX512_VNNI != 0 && KVSCOPE_HAVE_AVX2 != 0;
+  }
+  return false;
+}
+
+// The fastest one compiled in.
+inline Q8Kernel best_q8_kernel() {
+  return q8_kernel_compiled(Q8Kernel::kAvx512Vnni) ? Q8Kernel::kAvx512Vnni
+         : q8_kernel_compiled(Q8Kernel::kAvx2)     ? Q8Kernel::kAvx2
+                                                   : Q8Kernel::kPortable;
+}
 
 // torch's packed 4-bit layout (see int4_kernels.h, blocks of pack_block columns) as strips
 // [N / 16, K / 4, 32] bytes.
@@ -184,6 +205,72 @@ void int4_strip_rows_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, 
 }
 #endif
 
+#if KVSCOPE_HAVE_AVX512_VNNI
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// int4_strip_q8 with vpdpbusd: a strip's 32 bytes become the 16 columns' 4 codes in the 4
+// bytes of each 32-bit lane (low nibbles the first 8 columns, high nibbles the last 8), so one
+// instruction adds 64 products into 32-bit sums (the 256-bit kernel's two vpmaddubsw, its add
+// and its vpmaddwd), and the float fold runs once per 16 columns. The same integer sums, then
+// the same float operations in the same order: bitwise the AVX2 kernel's results.
+template <int R, typename P>
+void int4_strip_q8_vnni(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t row0,
+                        int64_t k, int64_t n, int64_t col, float* out) {
+  const int64_t groups = k / kGroupSize;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  KVSCOPE_UNROLL
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sums[R];
+    KVSCOPE_UNROLL
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+    KVSCOPE_UNROLL
+    for (int q = 0; q < 8; ++q) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(strip + (8 * g + q) * 32));
+      const __m512i codes = _mm512_and_si512(
+          _mm512_inserti64x4(_mm512_castsi256_si512(w), _mm256_srli_epi16(w, 4), 1), nibble);
+      KVSCOPE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, a.codes.data() + (row0 + r) * k + g * kGroupSize + 4 * q, 4);
+        sums[r] = _mm512_dpbusd_epi32(sums[r], codes, _mm512_set1_epi32(quad));
+      }
+    }
+    const __m512 scale = load16(planes + 2 * g * n + col), low = load16(planes + (2 * g + 1) * n + col);
+    KVSCOPE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const int64_t t = (row0 + r) * groups + g;
+      const __m512 d = _mm512_cvtepi32_ps(sums[r]);
+      acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(a.sum[t]),
+                               _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(a.step[t])), d, acc[r]));
+    }
+  }
+  KVSCOPE_UNROLL
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (row0 + r) * n + col, acc[r]);
+}
+
+template <typename P>
+void int4_strip_rows_q8_vnni(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t rows,
+                             int64_t k, int64_t n, int64_t col, float* out) {
+  int64_t r = 0;
+  for (; r + kVnniRows <= rows; r += kVnniRows) int4_strip_q8_vnni<kVnniRows>(strip, planes, a, r, k, n, col, out);
+  switch (rows - r) {
+    case 7: int4_strip_q8_vnni<7>(strip, planes, a, r, k, n, col, out); break;
+    case 6: int4_strip_q8_vnni<6>(strip, planes, a, r, k, n, col, out); break;
+    case 5: int4_strip_q8_vnni<5>(strip, planes, a, r, k, n, col, out); break;
+    case 4: int4_strip_q8_vnni<4>(strip, planes, a, r, k, n, col, out); break;
+    case 3: int4_strip_q8_vnni<3>(strip, planes, a, r, k, n, col, out); break;
+    case 2: int4_strip_q8_vnni<2>(strip, planes, a, r, k, n, col, out); break;
+    case 1: int4_strip_q8_vnni<1>(strip, planes, a, r, k, n, col, out); break;
+    default: break;
+  }
+}
+#endif
+
 // Scalar version of the same arithmetic (tests check the AVX2 one and the layout with it).
 template <typename P>
 void int4_strip_rows_q8_portable(const uint8_t* strip, const P* planes, const Q8Rows& a,
@@ -210,9 +297,10 @@ void int4_strip_rows_q8_portable(const uint8_t* strip, const P* planes, const Q8
 
 // x [rows, K] float32 times a 4-bit weight held as strips (int4_strips) and planes [K / 32, 2,
 // N] (float32 or float16), activations quantized to 8 bits per group -> float32 [rows, N].
-// vectorized: the AVX2 kernel (where compiled in), else the scalar one.
+// kernel: a Q8Kernel compiled in (the activations are quantized by the AVX2 code for both
+// vector kernels: the same codes as the scalar quantizer's).
 inline at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& strips, const at::Tensor& planes,
-                             bool vectorized) {
+                             int64_t kernel_index) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
               "x: float32 contiguous [rows, K]");
   const int64_t rows = x.size(0), k = x.size(1), n = planes.size(2);
@@ -223,7 +311,11 @@ inline at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& strips, cons
   TORCH_CHECK((planes.scalar_type() == at::kFloat || planes.scalar_type() == at::kHalf) &&
                   planes.size(0) == k / kGroupSize && planes.size(1) == 2 && planes.is_contiguous(),
               "planes: float32 or float16 [K / 32, 2, N]");
-  TORCH_CHECK(!vectorized || KVSCOPE_HAVE_AVX2, "the AVX2 8-bit-activation kernel is not compiled in");
+  TORCH_CHECK(kernel_index >= 0 && kernel_index <= 2, "kernel must be 0 (portable), 1 (avx2) or 2 (avx512_vnni), got ",
+              kernel_index);
+  const auto kernel = static_cast<Q8Kernel>(kernel_index);
+  TORCH_CHECK(q8_kernel_compiled(kernel), "8-bit-activation kernel ", kernel_index, " is not compiled in");
+  const bool vectorized = kernel != Q8Kernel::kPortable;
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const Q8Rows a = quantize_rows(x.data_ptr<float>(), rows, k, vectorized);
@@ -233,6 +325,12 @@ inline at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& strips, cons
     at::parallel_for(0, n / kStripCols, 1, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
         const uint8_t* strip = w + s * k / 4 * 32;
+#if KVSCOPE_HAVE_AVX512_VNNI
+        if (kernel == Q8Kernel::kAvx512Vnni) {
+          int4_strip_rows_q8_vnni(strip, p, a, rows, k, n, s * kStripCols, op);
+          continue;
+        }
+#endif
 #if KVSCOPE_HAVE_AVX2
         if (vectorized) {
           int4_strip_rows_q8(strip, p, a, rows, k, n, s * kStripCols, op);
