@@ -216,15 +216,29 @@ inline __m512 load16(const at::Half* p) {
 // instruction adds 64 products into 32-bit sums (the 256-bit kernel's two vpmaddubsw, its add
 // and its vpmaddwd), and the float fold runs once per 16 columns. The same integer sums, then
 // the same float operations in the same order: bitwise the AVX2 kernel's results.
+//
+// prefetch: the next strip's codes and planes are fetched while this one computes (first pass
+// of rows only). Without it a 16-row step cost twice an 8-row one: each strip's first pass
+// waited on memory (the planes' lines are strided, out of the hardware prefetcher's reach),
+// then its second computed with memory idle.
 template <int R, typename P>
 void int4_strip_q8_vnni(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t row0,
-                        int64_t k, int64_t n, int64_t col, float* out) {
+                        int64_t k, int64_t n, int64_t col, float* out, bool prefetch) {
   const int64_t groups = k / kGroupSize;
+  const int64_t next_col = col + kStripCols;
+  prefetch = prefetch && next_col < n;
   const __m512i nibble = _mm512_set1_epi8(15);
   __m512 acc[R];
   KVSCOPE_UNROLL
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    if (prefetch) {
+      const char* next = reinterpret_cast<const char*>(strip + (k / 4 + 8 * g) * 32);
+      KVSCOPE_UNROLL
+      for (int line = 0; line < 4; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(planes + 2 * g * n + next_col), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(planes + (2 * g + 1) * n + next_col), _MM_HINT_T0);
+    }
     __m512i sums[R];
     KVSCOPE_UNROLL
     for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
@@ -257,15 +271,17 @@ template <typename P>
 void int4_strip_rows_q8_vnni(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t rows,
                              int64_t k, int64_t n, int64_t col, float* out) {
   int64_t r = 0;
-  for (; r + kVnniRows <= rows; r += kVnniRows) int4_strip_q8_vnni<kVnniRows>(strip, planes, a, r, k, n, col, out);
+  for (; r + kVnniRows <= rows; r += kVnniRows)
+    int4_strip_q8_vnni<kVnniRows>(strip, planes, a, r, k, n, col, out, r == 0);
+  const bool first = r == 0;
   switch (rows - r) {
-    case 7: int4_strip_q8_vnni<7>(strip, planes, a, r, k, n, col, out); break;
-    case 6: int4_strip_q8_vnni<6>(strip, planes, a, r, k, n, col, out); break;
-    case 5: int4_strip_q8_vnni<5>(strip, planes, a, r, k, n, col, out); break;
-    case 4: int4_strip_q8_vnni<4>(strip, planes, a, r, k, n, col, out); break;
-    case 3: int4_strip_q8_vnni<3>(strip, planes, a, r, k, n, col, out); break;
-    case 2: int4_strip_q8_vnni<2>(strip, planes, a, r, k, n, col, out); break;
-    case 1: int4_strip_q8_vnni<1>(strip, planes, a, r, k, n, col, out); break;
+    case 7: int4_strip_q8_vnni<7>(strip, planes, a, r, k, n, col, out, first); break;
+    case 6: int4_strip_q8_vnni<6>(strip, planes, a, r, k, n, col, out, first); break;
+    case 5: int4_strip_q8_vnni<5>(strip, planes, a, r, k, n, col, out, first); break;
+    case 4: int4_strip_q8_vnni<4>(strip, planes, a, r, k, n, col, out, first); break;
+    case 3: int4_strip_q8_vnni<3>(strip, planes, a, r, k, n, col, out, first); break;
+    case 2: int4_strip_q8_vnni<2>(strip, planes, a, r, k, n, col, out, first); break;
+    case 1: int4_strip_q8_vnni<1>(strip, planes, a, r, k, n, col, out, first); break;
     default: break;
   }
 }
