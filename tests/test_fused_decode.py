@@ -134,7 +134,7 @@ def test_fused_greedy_decoding_follows_the_float64_reference(extension, native_b
 
 @pytest.mark.slow
 @pytest.mark.parametrize("q8_activations", [True, False])
-def test_wide_fused_steps_take_bf16_activations(extension, q8_activations):
+def test_wide_fused_steps_take_fast_products(extension, q8_activations):
     """Steps wider than precise_rows (set to 0 here: every step) run our kernels' fast
     products: bfloat16 activations, float32 outputs (AVX512-BF16); float32 products on AVX2;
     on both the MLP's on 8-bit activations (unless turned off)."""
