@@ -300,6 +300,8 @@ class FusedDecodeStep:
         if kernel == "avx512_bf16" and block != 64:
             raise ValueError(f"int4_kernel avx512_bf16 reads 64-column blocks, torch packs {block}")
         q8_products = Q8_PRODUCTS.get(kernel, ()) if q8_activations else ()
+        if kernel == "avx512_bf16" and Q8_KERNELS[module.best_q8_kernel()] != "avx512_vnni":
+            q8_products = ()  # the AVX2 8-bit kernel is slower than the bf16 one
         strips = functools.partial(_strips, module, block)
         tensors = [
             t for layer in model.layers for t in layer_tensors(layer, kernel, strips, q8_products)
