@@ -154,13 +154,19 @@ INT4_KERNELS = ("torch", "portable", "avx512_bf16", "avx2_fp32")
 # 8-bit-activation kernels of wide steps' products (the C++ Q8Kernel enum, in order); the
 # fused step runs the fastest compiled in (module.best_q8_kernel()).
 Q8_KERNELS = ("portable", "avx2", "avx512_vnni")
-# The products of wide steps on 8-bit activations, by 4-bit kernel. Measured with the parity
-# prompts twice over in 16-row steps (replies identical to the dense model's for 32 tokens, of
-# 8, each copy): AVX2 keeps the attention's two in float32 (the MLP's on 8 bits: 7 and 7; all
-# four: 5); on AVX512-BF16 the alternative is single bfloat16 activations, no closer (the MLP's
-# on 8 bits: 6 and 7; all four: 7 and 7), and the VNNI kernel runs at twice its speed (16 and
-# 64 rows, Zen 4).
-Q8_PRODUCTS = {"avx2_fp32": ("gate_up", "down"), "avx512_bf16": ("qkv", "o", "gate_up", "down")}
+# The products of wide steps on 8-bit activations, by 4-bit kernel and the 8-bit kernel that
+# runs them (none where the 8-bit kernel would be slower than the 4-bit one: the AVX2 kernel
+# on AVX512-BF16 CPUs). Measured with the parity prompts twice over in 16-row steps (replies
+# identical to the dense model's for 32 tokens, of 8, each copy): AVX2 keeps the attention's
+# two in float32 (the MLP's on 8 bits: 7 and 7; all four: 5); on AVX512-BF16 the alternative is
+# single bfloat16 activations, no closer (the MLP's on 8 bits: 6 and 7; all four: 7 and 7), and
+# the VNNI kernel runs at about twice its speed (16 and 64 rows, Zen 5).
+_MLP, _ALL = ("gate_up", "down"), ("qkv", "o", "gate_up", "down")
+Q8_PRODUCTS = {
+    ("avx2_fp32", "avx2"): _MLP,
+    ("avx2_fp32", "avx512_vnni"): _MLP,
+    ("avx512_bf16", "avx512_vnni"): _ALL,
+}
 # Rows of one extension call (a wider decode step makes several). Measured at 64 streams on 2
 # cores: 64 rows a call 616 tok/s, 16 rows a call 517 (the products' threads share more work).
 ROWS_PER_CALL = 64
@@ -299,9 +305,8 @@ class FusedDecodeStep:
             raise ValueError(f"int4_kernel {kernel!r} cannot read this torch's packed layout")
         if kernel == "avx512_bf16" and block != 64:
             raise ValueError(f"int4_kernel avx512_bf16 reads 64-column blocks, torch packs {block}")
-        q8_products = Q8_PRODUCTS.get(kernel, ()) if q8_activations else ()
-        if kernel == "avx512_bf16" and Q8_KERNELS[module.best_q8_kernel()] != "avx512_vnni":
-            q8_products = ()  # the AVX2 8-bit kernel is slower than the bf16 one
+        q8_kernel = Q8_KERNELS[module.best_q8_kernel()]
+        q8_products = Q8_PRODUCTS.get((kernel, q8_kernel), ()) if q8_activations else ()
         strips = functools.partial(_strips, module, block)
         tensors = [
             t for layer in model.layers for t in layer_tensors(layer, kernel, strips, q8_products)
@@ -313,8 +318,7 @@ class FusedDecodeStep:
         )  # fmt: skip
         logger.info(
             "fused decode step: 4-bit products by the %s kernel, wide steps' %s on 8-bit "
-            "activations (%s)", kernel, ", ".join(q8_products) or "none",
-            Q8_KERNELS[module.best_q8_kernel()],
+            "activations (%s)", kernel, ", ".join(q8_products) or "none", q8_kernel,
         )  # fmt: skip
         return cls(model, module, decoder, kernel, q8_products=q8_products)
 

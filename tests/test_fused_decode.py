@@ -141,11 +141,9 @@ def test_wide_fused_steps_take_fast_products(extension, q8_activations):
     engine = _engine("fused")
     step = fd.FusedDecodeStep.create(engine.model, extension, q8_activations=q8_activations)
     engine.runner.fused.step = step
-    vnni = fd.Q8_KERNELS[extension.best_q8_kernel()] == "avx512_vnni"
-    q8_products = fd.Q8_PRODUCTS.get(step.int4_kernel, ()) if q8_activations else ()
-    if step.int4_kernel == "avx512_bf16" and not vnni:
-        q8_products = ()
-    assert step.q8_products == q8_products
+    q8_kernel = fd.Q8_KERNELS[extension.best_q8_kernel()]
+    q8_products = fd.Q8_PRODUCTS.get((step.int4_kernel, q8_kernel), ())
+    assert step.q8_products == (q8_products if q8_activations else ())
     step.precise_rows = 0
     native = engine.model.native_bf16
     check_greedy_decoding_against_reference(engine, native, decode_products=_products(step, 1))

@@ -8,8 +8,8 @@
 // SiLU-and-multiply), around 4-bit products with float32 outputs whose activations enter as
 // bfloat16 (fast: the eager int4 path's arithmetic, engine_proc/models/llama.py) or as a
 // bfloat16 pair hi + lo (precise: the dense float32 model's products to 2^-18; see
-// int4_kernels.h). The caller picks per step. Fast steps take the MLP's activations as 8-bit
-// codes instead where its weights come with strips (int4_q8_kernels.h).
+// int4_kernels.h). The caller picks per step. Fast steps take 8-bit activations instead in the
+// products whose weights come with strips (int4_q8_kernels.h; which: fused_decode.py).
 
 #include "attention.h"
 #include "common.h"
@@ -197,7 +197,7 @@ bool has_avx512_bf16() { return KVSCOPE_HAVE_AVX512_BF16 != 0; }
 bool has_avx2() { return KVSCOPE_HAVE_AVX2 != 0; }
 int64_t best_q8_kernel_index() { return static_cast<int64_t>(best_q8_kernel()); }
 bool q8_kernel_index_compiled(int64_t index) {
-  return index >= 0 && index <= 2 && q8_kernel_compiled(static_cast<Q8Kernel>(index));
+  return is_q8_kernel(index) && q8_kernel_compiled(static_cast<Q8Kernel>(index));
 }
 
 }  // namespace

@@ -25,6 +25,7 @@ constexpr int kVnniRows = 8;  // rows a pass of the AVX512-VNNI kernel: 2 x 8 of
 
 // The 8-bit-activation kernels, in the order of Q8_KERNELS (engine_proc/fused_decode.py).
 enum class Q8Kernel : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+inline bool is_q8_kernel(int64_t index) { return index >= 0 && index <= 2; }
 
 inline bool q8_kernel_compiled(Q8Kernel kernel) {
   switch (kernel) {
@@ -287,7 +288,7 @@ void int4_strip_rows_q8_vnni(const uint8_t* strip, const P* planes, const Q8Rows
 }
 #endif
 
-// Scalar version of the same arithmetic (tests check the AVX2 one and the layout with it).
+// Scalar version of the same arithmetic (tests check the vector ones and the layout with it).
 template <typename P>
 void int4_strip_rows_q8_portable(const uint8_t* strip, const P* planes, const Q8Rows& a,
                                  int64_t rows, int64_t k, int64_t n, int64_t col, float* out) {
@@ -327,7 +328,7 @@ inline at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& strips, cons
   TORCH_CHECK((planes.scalar_type() == at::kFloat || planes.scalar_type() == at::kHalf) &&
                   planes.size(0) == k / kGroupSize && planes.size(1) == 2 && planes.is_contiguous(),
               "planes: float32 or float16 [K / 32, 2, N]");
-  TORCH_CHECK(kernel_index >= 0 && kernel_index <= 2, "kernel must be 0 (portable), 1 (avx2) or 2 (avx512_vnni), got ",
+  TORCH_CHECK(is_q8_kernel(kernel_index), "kernel must be 0 (portable), 1 (avx2) or 2 (avx512_vnni), got ",
               kernel_index);
   const auto kernel = static_cast<Q8Kernel>(kernel_index);
   TORCH_CHECK(q8_kernel_compiled(kernel), "8-bit-activation kernel ", kernel_index, " is not compiled in");
