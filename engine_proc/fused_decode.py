@@ -2,11 +2,8 @@
 (engine_proc/native/fused_decode.cpp) instead of ~40 torch operators per layer dispatched from
 Python.
 
-The extension is compiled on first use with the machine's C++ compiler (torch's
-cpp_extension, ``-O3 -march=native``) and cached under ``$KVSCOPE_CACHE_DIR/native`` (default
-``~/.cache/kvscope/native``), keyed by its source, torch's version and this CPU's flags: a
-second start loads it in well under a second. Without a compiler, or when the build fails, the
-engine logs a warning and decodes with the eager path.
+The extension is compiled on first use and cached (engine_proc/fused_build.py). Without a
+compiler, or when the build fails, the engine logs a warning and decodes with the eager path.
 
 It serves steps where every sequence decodes one token (``ROWS_PER_CALL`` rows a call) on a
 float32 model with 4-bit decode weights and a float32 KV cache; every other step runs eagerly.
@@ -21,41 +18,25 @@ AVX512-BF16 compute their other products in float32 (no bfloat16 dot products to
 
 from __future__ import annotations
 
-import argparse
-import atexit
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import sys
-import sysconfig
-import tempfile
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from engine_proc import fused_build
 from engine_proc.attention.base import AttentionMetadata
 from engine_proc.config import SUPPORTED_DECODE_STEPS
-from engine_proc.model_loader import tokenizer_cache_dir
 from engine_proc.models.int4 import Int4Weight
 from engine_proc.models.llama import LlamaLayer, LlamaModel
 
 logger = logging.getLogger(__name__)
-
-NATIVE = Path(__file__).parent / "native"
-SOURCE = NATIVE / "fused_decode.cpp"  # includes the headers beside it
-
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-_lock = threading.Lock()
-_loaded: dict[str, ModuleType] = {}
-
 
 def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool) -> str | None:
     """Why the fused step cannot serve this engine, or None when it can."""
@@ -65,86 +46,7 @@ def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: 
         return "needs a float32 model and KV cache"
     if kv_cache.device.type != "cpu":
         return "runs on the CPU only"
-    return build_unavailable_reason()
-
-
-def build_unavailable_reason() -> str | None:
-    """What this machine lacks to compile the extension (None: it can try)."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        return "needs a C++ compiler (c++ or g++ on PATH)"
-    if shutil.which("ninja") is None:  # torch's cpp_extension builds with it
-        return "needs ninja on PATH (pip install ninja)"
-    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
-        return "needs Python's C headers (Python.h, e.g. the python3-dev package)"
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def build_key() -> str:
-    """What the compiled module depends on: source, torch, flags, and the CPU (-march=native)."""
-    sources = [f.read_text() for f in sorted(NATIVE.glob("*.[ch]*"))]
-    parts = [*sources, torch.__version__, " ".join(_CFLAGS), _cpu_flags()]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def build_dir(key: str) -> Path:
-    tokenizers = tokenizer_cache_dir()  # the kvscope cache root's tokenizer folder, or None
-    if tokenizers is None:  # caching turned off: build in a temporary directory, gone at exit
-        directory = tempfile.mkdtemp(prefix="kvscope-native-")
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        return Path(directory)
-    return tokenizers.parent / "native" / f"fused_decode_{key}"
-
-
-def load_extension() -> ModuleType:
-    """Compile (or load the cached build of) the extension; raises when it cannot be built."""
-    key = build_key()
-    with _lock:
-        if key in _loaded:
-            return _loaded[key]
-        from torch.utils import cpp_extension
-
-        directory = build_dir(key)
-        directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_lock(directory)
-        t0 = time.perf_counter()
-        module = cpp_extension.load(
-            name=f"kvscope_fused_decode_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
-        logger.info("fused decode step loaded in %.1f s (%s)", time.perf_counter() - t0, directory)
-        _loaded[key] = module
-        return module
-
-
-STALE_LOCK_SECONDS = 600.0  # a build takes about a minute; an older lock is a killed build's
-
-
-def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
-    """torch's cpp_extension waits for its `lock` file to go away before building, forever: a
-    build killed midway (an engine stopped while building) would leave every later start
-    waiting. A lock older than any build can take is removed (True when one was)."""
-    lock = directory / "lock"
-    try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < STALE_LOCK_SECONDS:
-        return False
-    logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
-    lock.unlink(missing_ok=True)
-    return True
+    return fused_build.build_unavailable_reason()
 
 
 # 4-bit product kernels (the C++ Int4Kernel enum, in order): torch's own; ours, reading torch's
@@ -379,7 +281,7 @@ class FusedDecode:
         if why is not None:
             log = logger.warning if mode == "fused" else logger.info
             log("fused decode step not used: %s; decoding eagerly", why)
-        elif mode == "fused" or is_built():
+        elif mode == "fused" or fused_build.is_built():
             self._use(_guarded_load)
         else:
             self.state = "building"
@@ -431,15 +333,9 @@ def use_head_kernel(
     return kind
 
 
-def is_built() -> bool:
-    """Whether this machine has a cached build of the current source."""
-    directory = build_dir(build_key()) if tokenizer_cache_dir() is not None else None
-    return directory is not None and any(directory.glob("*.so"))
-
-
 def _guarded_load() -> ModuleType | None:
     try:
-        return load_extension()
+        return fused_build.load_extension()
     except Exception as exc:  # no compiler, a compile error, an unloadable module: stay eager
         logger.warning("fused decode step unavailable (%s); decoding eagerly", exc)
         return None
@@ -456,18 +352,3 @@ def _build_in_background() -> Future[ModuleType | None]:
 
     threading.Thread(target=build, name="fused-decode-build", daemon=True).start()
     return future
-
-
-def main() -> None:
-    """python -m engine_proc.fused_decode: build (or load) the extension, print the time."""
-    argparse.ArgumentParser(description=main.__doc__).parse_args()
-    logging.basicConfig(level=logging.INFO)
-    cached = is_built()
-    t0 = time.perf_counter()
-    load_extension()
-    kind = "loaded from the cache" if cached else "compiled"
-    print(f"fused decode step {kind} in {time.perf_counter() - t0:.1f} s: {build_dir(build_key())}")
-
-
-if __name__ == "__main__":
-    main()

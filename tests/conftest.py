@@ -140,9 +140,9 @@ def async_sdk(server):
 @pytest.fixture(scope="module")
 def extension():
     """The fused decode step's compiled extension (built once into the suite's cache dir)."""
-    from engine_proc import fused_decode as fd
+    from engine_proc import fused_build
 
-    why = fd.build_unavailable_reason()
+    why = fused_build.build_unavailable_reason()
     if why is not None:  # like the CUDA tests: this machine cannot build it (the engine says so)
         pytest.skip(f"the fused decode step {why}; the engine decodes eagerly")
-    return fd.load_extension()
+    return fused_build.load_extension()

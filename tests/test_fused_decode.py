@@ -13,7 +13,7 @@ import logging
 
 import pytest
 
-from engine_proc import EngineConfig, LLMEngine
+from engine_proc import EngineConfig, LLMEngine, fused_build
 from engine_proc import fused_decode as fd
 from engine_proc.config import add_kernel_arguments, kernel_options
 from engine_proc.models.int4 import int4_kernels_available
@@ -51,15 +51,19 @@ def test_decode_step_is_an_engine_option_and_a_flag():
     assert kernel_options(args)["decode_step"] == "eager"
 
 
+def _nothing_built():
+    pytest.fail("nothing should be built")
+
+
 def test_eager_is_the_api_default_and_builds_nothing(monkeypatch):
-    monkeypatch.setattr(fd, "load_extension", lambda: pytest.fail("nothing should be built"))
+    monkeypatch.setattr(fused_build, "load_extension", _nothing_built)
     engine = _engine("eager")
     assert EngineConfig().decode_step == "eager"
     assert engine.runner.fused.state == "eager"
 
 
 def test_models_it_cannot_serve_decode_eagerly_with_the_reason_logged(monkeypatch, caplog):
-    monkeypatch.setattr(fd, "load_extension", lambda: pytest.fail("nothing should be built"))
+    monkeypatch.setattr(fused_build, "load_extension", _nothing_built)
     caplog.set_level(logging.WARNING, logger="engine_proc.fused_decode")
     dense = LLMEngine(EngineConfig(num_kv_blocks=64, decode_step="fused"),
                       checkpoint=snapped_checkpoint())  # fmt: skip
@@ -75,31 +79,13 @@ def test_a_failed_build_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
     def no_compiler():
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(fd, "load_extension", no_compiler)
+    monkeypatch.setattr(fused_build, "load_extension", no_compiler)
     caplog.set_level(logging.WARNING, logger="engine_proc.fused_decode")
     engine = _engine("fused")
     assert engine.runner.fused.state == "eager"
     assert "no C++ compiler" in caplog.text and "decoding eagerly" in caplog.text
     [out] = engine.generate([list(range(5, 12))], fd_params())
     assert len(out.token_ids) == 4 and engine.runner.num_fused_steps == 0
-
-
-def test_what_the_build_needs_is_named(monkeypatch):
-    monkeypatch.setattr(fd.shutil, "which", lambda name: None if name == "ninja" else "/bin/x")
-    assert fd.build_unavailable_reason() == "needs ninja on PATH (pip install ninja)"
-    monkeypatch.setattr(fd.shutil, "which", lambda name: None)
-    assert "needs a C++ compiler" in fd.build_unavailable_reason()
-
-
-def test_a_killed_builds_lock_is_removed_once_stale_and_a_live_one_is_kept(tmp_path):
-    assert not fd.remove_stale_lock(tmp_path)  # no lock
-    lock = tmp_path / "lock"
-    lock.touch()
-    mtime = lock.stat().st_mtime
-    assert not fd.remove_stale_lock(tmp_path, now=mtime + 60)  # a build in progress
-    assert lock.exists()
-    assert fd.remove_stale_lock(tmp_path, now=mtime + fd.STALE_LOCK_SECONDS + 1)
-    assert not lock.exists()
 
 
 def fd_params():
@@ -200,9 +186,9 @@ def test_every_int4_kernel_decodes_like_the_reference(extension, kernel):
 
 @pytest.mark.slow
 def test_auto_loads_a_cached_build_or_builds_in_the_background(extension, monkeypatch):
-    assert fd.is_built()  # the fixture's build, in this suite's cache dir
+    assert fused_build.is_built()  # the fixture's build, in this suite's cache dir
     assert _engine("auto").runner.fused.state == "fused"
-    monkeypatch.setattr(fd, "is_built", lambda: False)  # as on a first start
+    monkeypatch.setattr(fused_build, "is_built", lambda: False)  # as on a first start
     engine = _engine("auto")
     assert engine.runner.fused.state == "building"
     pending = engine.runner.fused._pending

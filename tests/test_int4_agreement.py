@@ -94,9 +94,9 @@ def test_int4_replies_leave_the_dense_model_only_at_near_ties(
 
 def _fused_engine(checkpoint, num_kv_blocks: int) -> LLMEngine:
     """An int4 engine on the fused step with our 4-bit kernels (skips where there are none)."""
-    from engine_proc import fused_decode as fd
+    from engine_proc import fused_build
 
-    why = fd.build_unavailable_reason()
+    why = fused_build.build_unavailable_reason()
     if why is not None:
         pytest.skip(f"the fused decode step {why}")
     engine = LLMEngine(
