@@ -200,3 +200,23 @@ def test_argmax_rows_is_torchs_argmax_with_ties_and_nans():
     for view in (logits, logits[:, ::3], logits.bfloat16()):
         assert argmax_rows(view) == view.argmax(dim=-1).tolist()
     assert argmax_rows(logits) == [int(logits[0].argmax()), 40, 0, 10]
+
+
+def test_entries_of_probability_zero_are_never_drawn():
+    logits = torch.tensor([[1.0, 0.0, float("-inf"), 2.0, float("-inf")]])
+    params = SamplingParams(temperature=1.0)
+    draws = [sample(logits, [params], [5], [t])[0] for t in range(3000)]
+    assert set(draws) == {0, 1, 3}
+    freq = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.03, rtol=0)
+
+
+def test_the_uniform_draws_are_uniform_and_a_function_of_seed_and_position():
+    from engine_proc.sampler import _uniform
+
+    draws = torch.tensor([_uniform(seed, t) for seed in range(4) for t in range(2500)])
+    assert 0.0 <= float(draws.min()) and float(draws.max()) < 1.0
+    # Kolmogorov-Smirnov against U(0, 1): 1.63 / sqrt(n) is the 1% critical value
+    ks = (torch.sort(draws).values - torch.arange(1, 10001) / 10000).abs().max()
+    assert float(ks) < 1.63 / 100
+    assert _uniform(7, 3) == _uniform(7, 3) != _uniform(7, 4) != _uniform(8, 3)
