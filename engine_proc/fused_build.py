@@ -81,7 +81,7 @@ def load_extension() -> ModuleType:
         t0 = time.perf_counter()
         module = cpp_extension.load(
             name=f"kvscope_fused_decode_{key}",
-            sources=[str(SOURCE)],
+            sources=[str(staged_sources(directory) / SOURCE.name)],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -90,6 +90,23 @@ def load_extension() -> ModuleType:
         logger.info("fused decode step loaded in %.1f s (%s)", time.perf_counter() - t0, directory)
         _loaded[key] = module
         return module
+
+
+def staged_sources(directory: Path) -> Path:
+    """The sources, copied into ``directory``/src once (its key is their hash). Compiled from
+    there, a cached build loads without recompiling after the checkout moves or its files are
+    touched: ninja would rebuild on a new source path or a newer source (measured: 31 s)."""
+    staged = directory / "src"
+    if (staged / SOURCE.name).exists():
+        return staged
+    incoming = Path(tempfile.mkdtemp(prefix="src-", dir=directory))
+    for source in NATIVE.glob("*.[ch]*"):
+        shutil.copyfile(source, incoming / source.name)
+    try:
+        incoming.rename(staged)
+    except OSError:  # another process staged them first: the same files
+        shutil.rmtree(incoming, ignore_errors=True)
+    return staged
 
 
 STALE_LOCK_SECONDS = 600.0  # a build takes about a minute; an older lock is a killed build's

@@ -1,8 +1,11 @@
 """Building the fused decode step's extension (engine_proc/fused_build.py): what a machine
-lacks is named, and a killed build's lock does not block later starts. Compiling it is
+lacks is named, a killed build's lock does not block later starts, and a cached build does not
+recompile after the checkout moves. Compiling it is
 exercised by every test using the `extension` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
+
+import pytest
 
 from engine_proc import fused_build
 
@@ -24,3 +27,23 @@ def test_a_killed_builds_lock_is_removed_once_stale_and_a_live_one_is_kept(tmp_p
     assert lock.exists()
     assert fused_build.remove_stale_lock(tmp_path, now=mtime + fused_build.STALE_LOCK_SECONDS + 1)
     assert not lock.exists()
+
+
+def test_sources_are_staged_in_the_build_directory_once(tmp_path):
+    staged = fused_build.staged_sources(tmp_path)
+    names = sorted(p.name for p in fused_build.NATIVE.glob("*.[ch]*"))
+    assert staged == tmp_path / "src" and sorted(p.name for p in staged.iterdir()) == names
+    for name in names:
+        assert (staged / name).read_bytes() == (fused_build.NATIVE / name).read_bytes()
+    mtimes = {p.name: p.stat().st_mtime_ns for p in staged.iterdir()}
+    assert fused_build.staged_sources(tmp_path) == staged  # a second start: untouched
+    assert {p.name: p.stat().st_mtime_ns for p in staged.iterdir()} == mtimes
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no staging folder left behind
+
+
+@pytest.mark.slow
+def test_the_extension_is_compiled_from_the_staged_sources(extension):
+    build = fused_build.build_dir(fused_build.build_key())
+    ninja = (build / "build.ninja").read_text()
+    assert str(build / "src" / fused_build.SOURCE.name) in ninja
+    assert str(fused_build.SOURCE) not in ninja
