@@ -15,6 +15,7 @@ import argparse
 import itertools
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,8 +191,10 @@ def drive(conn: Any, gen: LoadGenerator, messages: list[Any]) -> None:
         conn.submit_generate(req.request_id, messages=req.messages, sampling=req.sampling)
 
 
-def run(endpoint: str, config: LoadConfig, duration: float, token: str | None = None) -> LoadStats:
-    """Run the load on a connection of our own for `duration` seconds, then abort what is left."""
+def run(endpoint: str, config: LoadConfig, duration: float, token: str | None = None,
+        stop: threading.Event | None = None) -> LoadStats:
+    """Run the load on a connection of our own for `duration` seconds (or until `stop` is set),
+    then abort what is left."""
     from ipc.client import EngineConnection
 
     conn = EngineConnection(endpoint, token=token, client_name="load")
@@ -200,7 +203,7 @@ def run(endpoint: str, config: LoadConfig, duration: float, token: str | None = 
         gen = LoadGenerator(config)
         gen.start()
         end = time.monotonic() + duration
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (stop is not None and stop.is_set()):
             drive(conn, gen, conn.poll(50))
         for rid in gen.stop():
             conn.submit_abort(rid)

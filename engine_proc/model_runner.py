@@ -12,10 +12,14 @@ import torch
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
 from engine_proc.attention.kv_quant import layer_caches
 from engine_proc.cuda_graphs import DecodeGraphRunner, Graph
-from engine_proc.fused_decode import FusedDecode
+from engine_proc.fused_decode import FusedDecode, FusedDecodeStep
 from engine_proc.models.llama import LlamaModel
 from engine_proc.request import Sequence
 from engine_proc.scheduler import ScheduledBatch
+
+# Mixed steps (prompt chunks and decodes together) with at least this many one-token rows run
+# those rows through the fused step and the chunks eagerly (see execute).
+MIN_SPLIT_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -50,7 +54,8 @@ class ModelRunner:
         self.num_graph_steps = 0
         quantized = kv_scales is not None or kv_layer_scales is not None
         self.fused = FusedDecode(model, kv_cache, quantized, decode_step)
-        self.num_fused_steps = 0
+        self.num_fused_steps = 0  # fused passes (a split step makes one)
+        self.num_split_steps = 0  # mixed steps run as a fused pass and an eager one
 
     def enable_decode_graphs(
         self,
@@ -128,12 +133,27 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [num_sampling_seqs, vocab] (float32) and the sequences they belong to."""
         self.copy_blocks(batch.block_copies)
-        step = self.prepare(batch)
+        fused = self.fused.ready()
+        if fused is None or self.decode_graphs is not None:
+            return self._run(self.prepare(batch), None)
+        one_token, rest = split_single_token_rows(batch)
+        if len(one_token.seqs) < MIN_SPLIT_ROWS or not rest.seqs:
+            return self._run(self.prepare(batch), fused)
+        # A mixed step: its one-token rows (the decodes) through the fused step, the prompt
+        # chunks eagerly. Rows are independent (each writes only its own sequence's new slots),
+        # so two passes compute what one would.
+        parts = [self._run(self.prepare(one_token), fused), self._run(self.prepare(rest), None)]
+        self.num_split_steps += 1
+        return merge_in_batch_order(batch, parts)
+
+    def _run(
+        self, step: StepInput, fused: FusedDecodeStep | None
+    ) -> tuple[torch.Tensor, list[Sequence]]:
         compute_logits = self.model.compute_logits
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             hidden = self.decode_graphs.run(step)
             self.num_graph_steps += 1
-        elif (fused := self.fused.ready()) is not None and fused.can_run(step.meta):
+        elif fused is not None and fused.can_run(step.meta):
             hidden = fused.forward(step.input_ids, step.positions, self.kv_cache, step.meta)
             compute_logits = fused.compute_logits  # as precise as the step's products
             self.num_fused_steps += 1
@@ -144,3 +164,27 @@ class ModelRunner:
         if not step.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
         return compute_logits(hidden[step.logits_indices]), step.sampling_seqs
+
+
+def split_single_token_rows(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
+    """The rows of ``batch`` that compute one token (decodes, and prompts down to their last
+    token), and the others; block copies stay with the whole batch (done before either runs)."""
+    one, rest = ScheduledBatch(), ScheduledBatch()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        part = one if n == 1 else rest
+        part.seqs.append(seq)
+        part.num_new_tokens.append(n)
+    return one, rest
+
+
+def merge_in_batch_order(
+    batch: ScheduledBatch, parts: list[tuple[torch.Tensor, list[Sequence]]]
+) -> tuple[torch.Tensor, list[Sequence]]:
+    """The parts' logits rows and sequences, in the order the one-pass step would give them."""
+    position = {id(seq): i for i, seq in enumerate(batch.seqs)}
+    seqs = [seq for _, part_seqs in parts for seq in part_seqs]
+    if not seqs:
+        return parts[0][0], []
+    logits = torch.cat([lg for lg, part_seqs in parts if part_seqs])
+    order = sorted(range(len(seqs)), key=lambda i: position[id(seqs[i])])
+    return logits[order], [seqs[i] for i in order]

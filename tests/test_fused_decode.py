@@ -12,13 +12,21 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
-from engine_proc import EngineConfig, LLMEngine, fused_build
+from engine_proc import EngineConfig, LLMEngine, SamplingParams, fused_build
 from engine_proc import fused_decode as fd
 from engine_proc.config import add_kernel_arguments, kernel_options
+from engine_proc.model_runner import MIN_SPLIT_ROWS
 from engine_proc.models.int4 import int4_kernels_available
+from tests.float64_llama import llama_forward
 from tests.test_fused_decode_kernels import our_kernels, q8_matrix
-from tests.test_int4 import check_greedy_decoding_against_reference, snapped_checkpoint
+from tests.test_int4 import (
+    _sum_of_magnitudes,
+    assert_within,
+    check_greedy_decoding_against_reference,
+    snapped_checkpoint,
+)
 
 pytestmark = pytest.mark.skipif(
     not int4_kernels_available(), reason="this torch build has no int4 CPU kernels"
@@ -233,3 +241,51 @@ def test_only_wide_fused_steps_take_their_logits_from_bf16_activations(extension
     step.precise_rows = 2
     engine.generate(prompts, fd_params())  # every decode step is wide now
     assert calls == [3, 3, 3]  # fd_params: 4 tokens, the first from the (eager) prefill
+
+
+@pytest.mark.slow
+def test_mixed_steps_run_their_decodes_fused_and_their_prompt_chunks_eagerly(extension):
+    """A step that prefills a prompt while four sequences decode runs as a fused pass over the
+    four one-token rows and an eager pass over the prompt. Both exact here (up to precise_rows
+    rows, the 8-bit head in float32), so every logit row of every sequence is the float64
+    reference's (tests/float64_llama.py) to float32 rounding, whichever pass computed it."""
+    ck = q8_head_checkpoint()
+    engine = _engine("fused", checkpoint=ck)
+    step = engine.runner.fused.step
+    assert step is not None and fd.use_head_kernel(engine.model, extension) == "q8"
+    if _products(step, MIN_SPLIT_ROWS) != "exact":
+        pytest.skip("torch's 4-bit kernel (bfloat16 products) runs here, not ours")
+    rows: dict[str, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def recording(batch):
+        logits, seqs = execute(batch)
+        for row, seq in zip(logits, seqs, strict=True):
+            rows.setdefault(seq.request_id, []).append(row.double())
+        return logits, seqs
+
+    engine.runner.execute = recording
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = {"a": list(range(5, 14)), "b": list(range(20, 27)), "c": [3] * 11, "d": [9, 8, 7]}
+    prompts |= {"late": list(range(50, 70))}
+    outputs: dict[str, list[int]] = {}
+    for rid in "abcd":
+        engine.add_request(rid, prompts[rid], params)
+    for n in range(40):
+        if n == 2:  # the four decode; the late prompt arrives: a mixed step
+            engine.add_request("late", prompts["late"], params)
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert engine.runner.num_split_steps == 1
+    for rid, prompt in prompts.items():
+        out = outputs[rid]
+        assert len(out) == params.max_tokens
+        ref = llama_forward(ck.config, ck.weights, prompt + out[:-1])
+        expected = ref.logits[len(prompt) - 1 :]
+        tol = 2**-14 * _sum_of_magnitudes(ref.hidden[len(prompt) - 1 :], ref.lm_head)
+        assert_within(torch.stack(rows[rid]), expected, tol + 2**-24 * expected.abs())
+        for i, token in enumerate(out):
+            assert expected[i, token] + tol[i, token] >= (expected[i] - tol[i]).max(), (rid, i)
+    assert engine.kv.pool.num_free == engine.num_blocks
