@@ -17,7 +17,6 @@ import torch
 from engine_proc import EngineConfig, LLMEngine, SamplingParams, fused_build
 from engine_proc import fused_decode as fd
 from engine_proc.config import add_kernel_arguments, kernel_options
-from engine_proc.model_runner import MIN_SPLIT_ROWS
 from engine_proc.models.int4 import int4_kernels_available
 from tests.float64_llama import llama_forward
 from tests.test_fused_decode_kernels import our_kernels, q8_matrix
@@ -246,14 +245,16 @@ def test_only_wide_fused_steps_take_their_logits_from_bf16_activations(extension
 @pytest.mark.slow
 def test_mixed_steps_run_their_decodes_fused_and_their_prompt_chunks_eagerly(extension):
     """A step that prefills a prompt while four sequences decode runs as a fused pass over the
-    four one-token rows and an eager pass over the prompt. Both exact here (up to precise_rows
-    rows, the 8-bit head in float32), so every logit row of every sequence is the float64
-    reference's (tests/float64_llama.py) to float32 rounding, whichever pass computed it."""
+    four one-token rows and an eager pass over the prompt (split from 4 rows here, from the
+    fused step's wide steps by default). Both exact here (up to precise_rows rows, the 8-bit
+    head in float32), so every logit row of every sequence is the float64 reference's
+    (tests/float64_llama.py) to float32 rounding, whichever pass computed it."""
     ck = q8_head_checkpoint()
     engine = _engine("fused", checkpoint=ck)
     step = engine.runner.fused.step
     assert step is not None and fd.use_head_kernel(engine.model, extension) == "q8"
-    if _products(step, MIN_SPLIT_ROWS) != "exact":
+    engine.runner.min_split_rows = 4
+    if _products(step, 4) != "exact":
         pytest.skip("torch's 4-bit kernel (bfloat16 products) runs here, not ours")
     rows: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
