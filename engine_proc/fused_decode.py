@@ -180,8 +180,8 @@ class FusedDecodeStep:
     int4_kernel: str = "torch"  # one of INT4_KERNELS
     precise_rows: int = PRECISE_ROWS  # steps up to this many rows: precise products (ours)
     q8_products: tuple[str, ...] = ()  # wider steps' products on 8-bit activations
-    # Logits of wider steps (hidden -> float32 logits), when set: bfloat16 activations against
-    # the exact 8-bit output projection (use_head_kernel); else the model's compute_logits.
+    # Logits of wider steps (hidden -> float32 logits), when set: 8-bit or bfloat16 activations
+    # against the exact 8-bit output projection (use_head_kernel); else compute_logits'.
     wide_head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
@@ -231,7 +231,7 @@ class FusedDecodeStep:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a fused step's rows: as precise as its products (the model's exact head
-        up to ``precise_rows`` rows), bfloat16 activations above where ``wide_head`` is set."""
+        up to ``precise_rows`` rows), ``wide_head``'s above where it is set (use_head_kernel)."""
         if self.wide_head is not None and hidden.shape[0] > self.precise_rows:
             return self.wide_head(hidden)
         return self.model.compute_logits(hidden)
@@ -310,17 +310,18 @@ def use_head_kernel(
     """Route decode-sized logits through the extension: the exact 8-bit weights in float32
     where the output projection is 8-bit valued (a GGUF Q8_0 tensor: the default model), else
     its bf16 kernel for the int4 mode's bf16 copy. Returns which ("q8", "bf16" or "none").
-    With the 8-bit one, ``step``'s wide steps (its bfloat16-activation products) get logits
-    from bfloat16 activations too, where the CPU has AVX512-BF16 (1.8x at 64 rows)."""
+    With the 8-bit one, ``step``'s wide steps get their logits as precise as their products:
+    8-bit activations where they take all four products on them (AVX512-VNNI: llama.cpp's
+    Q8_0 x Q8_0, 1.7x the bfloat16 kernel at 64 rows), else bfloat16 activations where the CPU
+    has AVX512-BF16 (1.8x the float32 kernel at 64 rows)."""
     q8 = module.q8_pack(model.lm_head) if model.lm_head.dtype == torch.float32 else []
     if q8:
         codes, scales = q8
         model.head_kernel = lambda hidden: module.q8_logits(hidden, codes, scales)
         # float32 products either way; measured 1.6x faster than the dense product at 64 rows
         model.head_kernel_rows = Q8_HEAD_ROWS
-        wide_ok = model.native_bf16 and module.q8_bf16_available() and len(codes) % 2 == 0
-        if step is not None and wide_ok:  # (its kernel takes the 16-output blocks in pairs)
-            step.wide_head = lambda hidden: module.q8_bf16_logits(hidden, codes, scales)
+        if step is not None:
+            step.wide_head = _wide_head(model, module, step, codes, scales)
         kind = "q8"
     elif model.lm_head_decode is not None:
         weight, native = model.lm_head_decode, model.native_bf16
@@ -331,6 +332,21 @@ def use_head_kernel(
         return "none"
     logger.info("fused decode step: output projection by the %s kernel", kind)
     return kind
+
+
+def _wide_head(
+    model: LlamaModel, module: ModuleType, step: FusedDecodeStep, codes: torch.Tensor,
+    scales: torch.Tensor,
+) -> Callable[[torch.Tensor], torch.Tensor] | None:  # fmt: skip
+    """The logits of ``step``'s wide steps from the 8-bit head (q8_pack's codes and scales)."""
+    pairs = len(codes) % 2 == 0  # both kernels take the 16-output blocks in pairs
+    vnni = Q8_KERNELS[module.best_q8_kernel()] == "avx512_vnni"
+    if set(step.q8_products) == set(_ALL) and vnni and module.q8_head_vnni_available() and pairs:
+        offset_codes = module.q8_vnni_pack(codes)
+        return lambda hidden: module.q8_q8_logits(hidden, offset_codes, scales, True)
+    if model.native_bf16 and module.q8_bf16_available() and pairs:
+        return lambda hidden: module.q8_bf16_logits(hidden, codes, scales)
+    return None
 
 
 def _guarded_load() -> ModuleType | None:

@@ -221,11 +221,20 @@ def test_fused_decoding_with_an_8bit_head_follows_the_float64_reference(extensio
 
 
 @pytest.mark.slow
-def test_only_wide_fused_steps_take_their_logits_from_bf16_activations(extension):
+def test_only_wide_fused_steps_take_their_logits_from_the_wide_head(extension):
     engine = _engine("fused", checkpoint=q8_head_checkpoint())
     step = engine.runner.fused.step
     if step.wide_head is None:
-        pytest.skip("the bfloat16 8-bit head needs AVX512-BF16 (and a CPU that has it natively)")
+        pytest.skip("the wide 8-bit heads need AVX512-BF16 or AVX512-VNNI")
+    # 8-bit activations where the wide steps take all four products on them, else bfloat16
+    codes, scales = extension.q8_pack(engine.model.lm_head)
+    hidden = torch.randn(9, engine.model.config.hidden_size)
+    if set(step.q8_products) == set(fd._ALL) and extension.q8_head_vnni_available():
+        offset = extension.q8_vnni_pack(codes)
+        expected = extension.q8_q8_logits(hidden, offset, scales, True)
+    else:
+        expected = extension.q8_bf16_logits(hidden, codes, scales)
+    assert torch.equal(step.wide_head(hidden), expected)
     calls: list[int] = []
     wide_head = step.wide_head
 

@@ -14,6 +14,7 @@
 #include "attention.h"
 #include "common.h"
 #include "head_kernels.h"
+#include "head_q8_kernels.h"
 #include "int4_kernels.h"
 #include "int4_q8_kernels.h"
 
@@ -222,4 +223,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_logits", &q8_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_bf16_available", &q8_bf16_available);
   m.def("q8_bf16_logits", &q8_bf16_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q8_vnni_pack", &q8_vnni_pack, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q8_head_vnni_available", &q8_head_vnni_available);
+  m.def("q8_q8_logits", &q8_q8_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
