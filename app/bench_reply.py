@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import statistics
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from app.load_generator import LoadConfig, LoadStats
 from app.load_generator import run as run_load
 from app.supervisor import EngineOptions, EngineSupervisor, engine_command, gui_engine_threads
+
+if TYPE_CHECKING:
+    from ipc.client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -42,24 +47,25 @@ class Reply:
     decode_tok_s: float  # tokens after the first, over the time from the first to the last
 
 
-def time_reply(client, max_tokens: int) -> Reply:
-    """One greedy chat reply of exactly ``max_tokens`` tokens, timed as the window times it."""
+def time_reply(client: EngineClient, max_tokens: int) -> Reply:
+    """One greedy chat reply of exactly ``max_tokens`` tokens, timed as the window times it:
+    the tokens after the first delta over the time from the first delta to the last."""
     start = time.perf_counter()
     stream = client.chat(REPLY_MESSAGES, temperature=0.0, max_tokens=max_tokens,
                          ignore_eos=True)
     first = last = 0.0
-    tokens = 0
+    tokens = first_delta = 0
     for event in stream:
         ids = getattr(event, "token_ids", None)
         if ids:
             last = time.perf_counter()
             if tokens == 0:
-                first = last
+                first, first_delta = last, len(ids)
             tokens += len(ids)
     finish = stream.finish
-    if finish is None or finish.reason == "error" or tokens < 2:
-        raise RuntimeError(f"the reply failed: {finish!r}")
-    return Reply(tokens, first - start, (tokens - 1) / max(last - first, 1e-9))
+    if finish is None or finish.reason == "error" or tokens - first_delta < 1:
+        raise RuntimeError(f"the reply failed or came in one piece: {finish!r}")
+    return Reply(tokens, first - start, (tokens - first_delta) / max(last - first, 1e-9))
 
 
 def start_engine(options: EngineOptions, timeout: float) -> tuple[EngineSupervisor, str]:
@@ -100,13 +106,15 @@ def measure(endpoint: str, token: str | None, load: int, repeats: int, settle: f
             name="load", daemon=True,
         )
         loader.start()
-        time.sleep(settle)
         loaded = []
-        for _ in range(repeats):
-            loaded.append(time_reply(client, max_tokens))
-            log.info("with %d chats: %.1f tok/s", load, loaded[-1].decode_tok_s)
-        stop.set()
-        loader.join()
+        try:
+            time.sleep(settle)
+            for _ in range(repeats):
+                loaded.append(time_reply(client, max_tokens))
+                log.info("with %d chats: %.1f tok/s", load, loaded[-1].decode_tok_s)
+        finally:  # the load stops with the measurement, failed or not
+            stop.set()
+            loader.join()
         stats = result[0] if result else None
         return alone, loaded, stats, time.monotonic() - stats.started if stats else 0.0
 
@@ -126,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="engine start-up limit (s)")
     a = ap.parse_args(argv)
     for flag, value, least in (("--load", a.load, 0), ("--repeats", a.repeats, 1),
-                               ("--max-tokens", a.max_tokens, 2)):  # tok/s needs two tokens
+                               ("--max-tokens", a.max_tokens, 2),  # tok/s needs two tokens
+                               ("--settle", a.settle, 0)):
         if value < least:
             ap.error(f"{flag} must be >= {least}, got {value}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = a.connect
     if endpoint is None:
         options = EngineOptions(num_threads=gui_engine_threads(), decode_weights="auto",
-                                extra_args=a.engine_args.split())
+                                extra_args=shlex.split(a.engine_args))
         log.info("starting the engine as the window does: %s",
                  " ".join(engine_command(options)))
         sup, endpoint = start_engine(options, a.timeout)

@@ -51,10 +51,15 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build_key() -> str:
+def read_sources() -> dict[str, str]:
+    """The extension's source files (engine_proc/native), by name."""
+    return {f.name: f.read_text(encoding="utf-8") for f in sorted(NATIVE.glob("*.[ch]*"))}
+
+
+def build_key(sources: dict[str, str] | None = None) -> str:
     """What the compiled module depends on: source, torch, flags, and the CPU (-march=native)."""
-    sources = [f.read_text() for f in sorted(NATIVE.glob("*.[ch]*"))]
-    parts = [*sources, torch.__version__, " ".join(_CFLAGS), _cpu_flags()]
+    texts = list((sources or read_sources()).values())
+    parts = [*texts, torch.__version__, " ".join(_CFLAGS), _cpu_flags()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -69,7 +74,8 @@ def build_dir(key: str) -> Path:
 
 def load_extension() -> ModuleType:
     """Compile (or load the cached build of) the extension; raises when it cannot be built."""
-    key = build_key()
+    sources = read_sources()
+    key = build_key(sources)
     with _lock:
         if key in _loaded:
             return _loaded[key]
@@ -81,7 +87,7 @@ def load_extension() -> ModuleType:
         t0 = time.perf_counter()
         module = cpp_extension.load(
             name=f"kvscope_fused_decode_{key}",
-            sources=[str(staged_sources(directory) / SOURCE.name)],
+            sources=[str(staged_sources(directory, sources) / SOURCE.name)],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -92,20 +98,23 @@ def load_extension() -> ModuleType:
         return module
 
 
-def staged_sources(directory: Path) -> Path:
-    """The sources, copied into ``directory``/src once (its key is their hash). Compiled from
-    there, a cached build loads without recompiling after the checkout moves or its files are
-    touched: ninja would rebuild on a new source path or a newer source (measured: 31 s)."""
+def staged_sources(directory: Path, sources: dict[str, str]) -> Path:
+    """``sources`` (the texts ``directory``'s key was hashed from), written to ``directory``/src
+    once. Compiled from there, a cached build loads without recompiling after the checkout
+    moves or its files are touched: ninja would rebuild on a new source path or a newer source
+    (measured: 31 s)."""
     staged = directory / "src"
     if (staged / SOURCE.name).exists():
         return staged
     incoming = Path(tempfile.mkdtemp(prefix="src-", dir=directory))
-    for source in NATIVE.glob("*.[ch]*"):
-        shutil.copyfile(source, incoming / source.name)
+    for name, text in sources.items():
+        (incoming / name).write_text(text, encoding="utf-8")
     try:
         incoming.rename(staged)
-    except OSError:  # another process staged them first: the same files
+    except OSError:
         shutil.rmtree(incoming, ignore_errors=True)
+        if not (staged / SOURCE.name).exists():  # not another process staging them first
+            raise
     return staged
 
 

@@ -183,6 +183,7 @@ class FusedDecodeStep:
     # Logits of wider steps (hidden -> float32 logits), when set: 8-bit or bfloat16 activations
     # against the exact 8-bit output projection (use_head_kernel); else compute_logits'.
     wide_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    wide_head_kind: str = "none"  # "q8" (8-bit activations), "bf16" or "none"
 
     @classmethod
     def create(
@@ -321,7 +322,7 @@ def use_head_kernel(
         # float32 products either way; measured 1.6x faster than the dense product at 64 rows
         model.head_kernel_rows = Q8_HEAD_ROWS
         if step is not None:
-            step.wide_head = _wide_head(model, module, step, codes, scales)
+            step.wide_head_kind, step.wide_head = _wide_head(model, module, step, codes, scales)
         kind = "q8"
     elif model.lm_head_decode is not None:
         weight, native = model.lm_head_decode, model.native_bf16
@@ -337,16 +338,18 @@ def use_head_kernel(
 def _wide_head(
     model: LlamaModel, module: ModuleType, step: FusedDecodeStep, codes: torch.Tensor,
     scales: torch.Tensor,
-) -> Callable[[torch.Tensor], torch.Tensor] | None:  # fmt: skip
-    """The logits of ``step``'s wide steps from the 8-bit head (q8_pack's codes and scales)."""
+) -> tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]:  # fmt: skip
+    """Which kernel computes the logits of ``step``'s wide steps from the 8-bit head (q8_pack's
+    codes and scales), and the function: ("q8", 8-bit activations), ("bf16", ...) or
+    ("none", None)."""
     pairs = len(codes) % 2 == 0  # both kernels take the 16-output blocks in pairs
     vnni = Q8_KERNELS[module.best_q8_kernel()] == "avx512_vnni"
     if set(step.q8_products) == set(_ALL) and vnni and module.q8_head_vnni_available() and pairs:
         offset_codes = module.q8_vnni_pack(codes)
-        return lambda hidden: module.q8_q8_logits(hidden, offset_codes, scales, True)
+        return "q8", lambda hidden: module.q8_q8_logits(hidden, offset_codes, scales, True)
     if model.native_bf16 and module.q8_bf16_available() and pairs:
-        return lambda hidden: module.q8_bf16_logits(hidden, codes, scales)
-    return None
+        return "bf16", lambda hidden: module.q8_bf16_logits(hidden, codes, scales)
+    return "none", None
 
 
 def _guarded_load() -> ModuleType | None:

@@ -139,7 +139,7 @@ class ModelRunner:
         if fused is None or self.decode_graphs is not None:
             return self._run(self.prepare(batch), None)
         one_token, rest = split_single_token_rows(batch)
-        least = self.min_split_rows or fused.precise_rows + 1
+        least = fused.precise_rows + 1 if self.min_split_rows is None else self.min_split_rows
         if len(one_token.seqs) < least or not rest.seqs:
             return self._run(self.prepare(batch), fused)
         # A mixed step: its one-token rows (the decodes) through the fused step, the prompt

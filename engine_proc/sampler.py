@@ -209,4 +209,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
         mass = cand_probs / cand_probs.sum() if p.top_k else cand_probs
         keep = int(((mass.cumsum(0) - mass) < p.top_p).sum())
         cand_probs, cand_ids = cand_probs[:keep], cand_ids[:keep]
-    return int(cand_ids[_draw(cand_probs, u)])
+    # Draw in token-id order, as the full-vocabulary path does: in rank order two near-equal
+    # candidates that a tiny float change swaps would swap their intervals of u too.
+    order = cand_ids.argsort()
+    return int(cand_ids[order][_draw(cand_probs[order], u)])

@@ -17,6 +17,7 @@ from tests.ipc.helpers import EngineProc
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--max-tokens", "1"], "--max-tokens must be >= 2"),
         (["--load", "-1"], "--load must be >= 0"),
+        (["--settle", "-2"], "--settle must be >= 0"),
     ],
 )
 def test_bad_arguments_name_the_flag(argv, message, capsys):

@@ -30,15 +30,24 @@ def test_a_killed_builds_lock_is_removed_once_stale_and_a_live_one_is_kept(tmp_p
 
 
 def test_sources_are_staged_in_the_build_directory_once(tmp_path):
-    staged = fused_build.staged_sources(tmp_path)
+    sources = fused_build.read_sources()
+    staged = fused_build.staged_sources(tmp_path, sources)
     names = sorted(p.name for p in fused_build.NATIVE.glob("*.[ch]*"))
     assert staged == tmp_path / "src" and sorted(p.name for p in staged.iterdir()) == names
     for name in names:
         assert (staged / name).read_bytes() == (fused_build.NATIVE / name).read_bytes()
     mtimes = {p.name: p.stat().st_mtime_ns for p in staged.iterdir()}
-    assert fused_build.staged_sources(tmp_path) == staged  # a second start: untouched
+    edited = {**sources, fused_build.SOURCE.name: "// edited after the key was taken"}
+    assert fused_build.staged_sources(tmp_path, edited) == staged  # a second start: untouched
     assert {p.name: p.stat().st_mtime_ns for p in staged.iterdir()} == mtimes
     assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no staging folder left behind
+
+
+def test_the_staged_sources_are_the_ones_the_key_was_taken_from(tmp_path):
+    sources = {**fused_build.read_sources(), "common.h": "// the text that was hashed"}
+    staged = fused_build.staged_sources(tmp_path, sources)
+    assert (staged / "common.h").read_text() == "// the text that was hashed"
+    assert fused_build.build_key(sources) != fused_build.build_key()
 
 
 @pytest.mark.slow

@@ -8,17 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_proc.models.int4 import int4_kernels_available
 from tests.test_fused_decode_kernels import q8_matrix
 from tests.test_int4 import assert_within
 from tests.test_int4_q8_kernels import quantize_groups
 
-pytestmark = [
-    pytest.mark.skipif(
-        not int4_kernels_available(), reason="this torch build has no int4 CPU kernels"
-    ),
-    pytest.mark.slow,
-]
+pytestmark = pytest.mark.slow
 
 
 def test_codes_are_offset_by_128_in_lanes_of_four(extension):

@@ -24,7 +24,8 @@ inline at::Tensor q8_vnni_pack(const at::Tensor& codes) {
   const int64_t blocks = codes.size(0), k = codes.size(1);
   TORCH_CHECK(k % kGroupSize == 0, "q8 codes: K % 32 == 0");
   at::Tensor out = at::empty({blocks, k / 4, 16, 4}, at::kByte);
-  const int8_t* c = codes.contiguous().data_ptr<int8_t>();
+  const at::Tensor dense = codes.contiguous();  // (kept alive while the loop reads it)
+  const int8_t* c = dense.data_ptr<int8_t>();
   uint8_t* u = out.data_ptr<uint8_t>();
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
@@ -112,7 +113,8 @@ void q8_head_rows_vnni(const uint8_t* const* u, const float* const* d, const Q8H
       KVSCOPE_UNROLL
       for (int b = 0; b < B; ++b) {
         const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][b], offset));
-        acc[r][b] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(d[b] + g * 16), dx), exact, acc[r][b]);
+        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(d[b] + g * 16), dx);
+        acc[r][b] = _mm512_fmadd_ps(scale, exact, acc[r][b]);
       }
     }
   }
@@ -134,24 +136,26 @@ inline at::Tensor q8_q8_logits(const at::Tensor& hidden, const at::Tensor& u,
   TORCH_CHECK(hidden.dim() == 2, "hidden [rows, K]");
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
   const int64_t rows = x.size(0), k = x.size(1), blocks = u.size(0), groups = k / kGroupSize;
-  TORCH_CHECK(u.scalar_type() == at::kByte && u.dim() == 4 && u.size(1) * 4 == k &&
-                  u.size(2) == 16 && u.size(3) == 4 && k % kGroupSize == 0,
-              "codes [N / 16, K / 4, 16, 4] uint8 (q8_vnni_pack), K % 32 == 0");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.size(0) == blocks &&
-                  scales.size(1) == groups && scales.size(2) == 16,
-              "scales [N / 16, K / 32, 16] float32");
+  TORCH_CHECK(u.scalar_type() == at::kByte && u.dim() == 4 && u.is_contiguous() &&
+                  u.size(1) * 4 == k && u.size(2) == 16 && u.size(3) == 4 && k % kGroupSize == 0,
+              "codes: contiguous [N / 16, K / 4, 16, 4] uint8 (q8_vnni_pack), K % 32 == 0");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 &&
+                  scales.size(0) == blocks && scales.size(1) == groups && scales.size(2) == 16,
+              "scales: [N / 16, K / 32, 16] float32");
   at::Tensor out = at::empty({rows, blocks * 16}, at::kFloat);
   if (rows == 0) return out;
   const Q8Head h = quantize_head_rows(x.data_ptr<float>(), rows, k, vectorized);
   const uint8_t* up = u.data_ptr<uint8_t>();
-  const float* sp = scales.contiguous().data_ptr<float>();
+  const at::Tensor dense_scales = scales.contiguous();
+  const float* sp = dense_scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ld = blocks * 16;
   if (!vectorized) {
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t r = 0; r < rows; ++r)
-          q8_head_block_portable(up + b * k * 16, sp + b * groups * 16, h, r, k, op + r * ld + b * 16);
+          q8_head_block_portable(up + b * k * 16, sp + b * groups * 16, h, r, k,
+                                 op + r * ld + b * 16);
     });
     return out;
   }
