@@ -79,6 +79,12 @@ ROWS_PER_CALL = 64
 # (median forward): 1 row 5.13 / 4.31 ms, 8 rows 21.3 / 15.5 ms.
 PRECISE_ROWS = 8
 Q8_HEAD_ROWS = 256  # logits of up to this many rows by the 8-bit head kernel
+# Prompt chunks of up to this many tokens in a step run as one-token rows of the precise
+# products, where our AVX512-BF16 kernel runs them (the only one measured against eager
+# prompts). Measured on 2 Zen 5 cores, a chunk after 300 cached tokens, eager / fused rows:
+# 1 thread 8 tokens 58 / 16 ms, 32 132 / 51, 64 273 / 102; 2 threads 8 64 / 14, 64 136 / 55,
+# 128 240 / 109, 256 257 / 285 (from 256 tokens eager prompts run on oneDNN).
+FUSED_PROMPT_TOKENS = 128
 
 
 PACK_BLOCKS = (64, 32)  # columns per block of torch's packed 4-bit layouts our kernels read
@@ -180,6 +186,9 @@ class FusedDecodeStep:
     int4_kernel: str = "torch"  # one of INT4_KERNELS
     precise_rows: int = PRECISE_ROWS  # steps up to this many rows: precise products (ours)
     q8_products: tuple[str, ...] = ()  # wider steps' products on 8-bit activations
+    # Prompt chunks of up to this many tokens (a step's together) run as one-token rows of
+    # precise products (model_runner.py); 0: none
+    max_prompt_tokens: int = 0
     # Logits of wider steps (hidden -> float32 logits), when set: 8-bit or bfloat16 activations
     # against the exact 8-bit output projection (use_head_kernel); else compute_logits'.
     wide_head: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -223,7 +232,9 @@ class FusedDecodeStep:
             "fused decode step: 4-bit products by the %s kernel, wide steps' %s on 8-bit "
             "activations (%s)", kernel, ", ".join(q8_products) or "none", q8_kernel,
         )  # fmt: skip
-        return cls(model, module, decoder, kernel, q8_products=q8_products)
+        prompt_tokens = FUSED_PROMPT_TOKENS if kernel == "avx512_bf16" else 0
+        return cls(model, module, decoder, kernel, q8_products=q8_products,
+                   max_prompt_tokens=prompt_tokens)  # fmt: skip
 
     @staticmethod
     def can_run(meta: AttentionMetadata) -> bool:
@@ -244,12 +255,25 @@ class FusedDecodeStep:
         """Final-norm hidden states [rows, hidden] of a step that ``can_run``. Rows are
         independent (each reads and writes only its own sequence's blocks), so a wide step runs
         as calls of at most ``ROWS_PER_CALL`` rows."""
+        precise = len(input_ids) <= self.precise_rows
+        return self.forward_rows(
+            input_ids, positions, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            precise,
+        )  # fmt: skip
+
+    def forward_rows(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+        slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, precise: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """Final-norm hidden states of one-token rows (row r: token input_ids[r] at
+        positions[r], K/V written to slots[r], attending to the first seq_lens[r] positions of
+        block_tables[r]), ``ROWS_PER_CALL`` rows a call, in order: a later call may read K/V an
+        earlier one wrote (a prompt's tokens as rows)."""
         rows = len(input_ids)
-        precise = rows <= self.precise_rows
         parts = [
             self.decoder.forward(
-                input_ids[i:j], positions[i:j], kv_cache, meta.slot_mapping[i:j],
-                meta.block_tables[i:j], meta.seq_lens[i:j], self.model.norm, precise,
+                input_ids[i:j], positions[i:j], kv_cache, slots[i:j], block_tables[i:j],
+                seq_lens[i:j], self.model.norm, precise,
             )  # fmt: skip
             for i in range(0, rows, ROWS_PER_CALL)
             for j in [min(rows, i + ROWS_PER_CALL)]

@@ -256,12 +256,17 @@ def test_only_wide_fused_steps_take_their_logits_from_the_wide_head(extension):
 
 
 @pytest.mark.slow
-def test_mixed_steps_run_their_decodes_fused_and_their_prompt_chunks_eagerly(extension):
+@pytest.mark.parametrize("prompt_rows", [False, True])
+def test_mixed_steps_run_their_decodes_fused_and_their_prompts_eagerly_or_as_rows(
+    extension, prompt_rows
+):
     """A step that prefills a prompt while four sequences decode runs as a fused pass over the
-    four one-token rows and an eager pass over the prompt (split from 4 rows here, from the
-    fused step's wide steps by default). Both exact here (up to precise_rows rows, the 8-bit
-    head in float32), so every logit row of every sequence is the float64 reference's
-    (tests/float64_llama.py) to float32 rounding, whichever pass computed it."""
+    four one-token rows and a pass over the prompt: eager (split from 4 rows here, from the
+    fused step's wide steps by default), or as one-token rows of the fused step's precise
+    products where it takes prompts (every prompt here, the first step's included). All exact
+    here (up to precise_rows rows, the 8-bit head in float32), so every logit row of every
+    sequence is the float64 reference's (tests/float64_llama.py) to float32 rounding,
+    whichever pass computed it."""
     ck = q8_head_checkpoint()
     engine = _engine("fused", checkpoint=ck)
     step = engine.runner.fused.step
@@ -269,6 +274,10 @@ def test_mixed_steps_run_their_decodes_fused_and_their_prompt_chunks_eagerly(ext
     engine.runner.min_split_rows = 4
     if _products(step, 4) != "exact":
         pytest.skip("torch's 4-bit kernel (bfloat16 products) runs here, not ours")
+    if prompt_rows and step.max_prompt_tokens == 0:
+        pytest.skip(f"the {step.int4_kernel} kernel's fused step takes no prompts")
+    if not prompt_rows:
+        step.max_prompt_tokens = 0
     rows: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
@@ -292,7 +301,10 @@ def test_mixed_steps_run_their_decodes_fused_and_their_prompt_chunks_eagerly(ext
             outputs[out.request_id] = out.token_ids
         if not engine.has_unfinished_requests():
             break
-    assert engine.runner.num_split_steps == 1
+    if prompt_rows:  # the four prompts together, then the late one
+        assert engine.runner.num_fused_prompt_steps == 2 and engine.runner.num_split_steps == 0
+    else:
+        assert engine.runner.num_fused_prompt_steps == 0 and engine.runner.num_split_steps == 1
     for rid, prompt in prompts.items():
         out = outputs[rid]
         assert len(out) == params.max_tokens
