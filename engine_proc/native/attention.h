@@ -125,13 +125,25 @@ struct Partial {
 
 // fn(slot, j) for keys j = 0..n-1 of the blocks [b0, b1) of a table: slot points `offset`
 // floats into key j's slot of `cache`, keys visited in cache order.
+// width > 0: while a block is visited, the `width` floats from `offset` of each slot of the
+// next block are prefetched (blocks are scattered, so the hardware prefetcher stops at each
+// block's end and the first keys of the next would wait on memory).
 template <typename Fn>
 inline void for_each_key(const float* cache, const int32_t* table, int64_t b0, int64_t b1,
                          int64_t n, int64_t block_size, int64_t slot_stride, int64_t offset,
-                         Fn&& fn) {
+                         Fn&& fn, int64_t width = 0) {
+  const int64_t block_floats = block_size * slot_stride;
   for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
-    const float* block = cache + static_cast<int64_t>(table[b]) * block_size * slot_stride + offset;
+    const float* block = cache + static_cast<int64_t>(table[b]) * block_floats + offset;
     const int64_t m = std::min(block_size, n - j);
+    if (width > 0 && b + 1 < b1 && j + m < n) {
+      const char* next = reinterpret_cast<const char*>(
+          cache + static_cast<int64_t>(table[b + 1]) * block_floats + offset);
+      const int64_t next_m = std::min(block_size, n - j - m);
+      for (int64_t o = 0; o < next_m; ++o)
+        for (int64_t f = 0; f < width; f += 16)  // a 64-byte line
+          __builtin_prefetch(next + (o * slot_stride + f) * sizeof(float), 0, 3);
+    }
     for (int64_t o = 0; o < m; ++o) fn(block + o * slot_stride, j + o);
     j += m;
   }
@@ -200,7 +212,7 @@ void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
         for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(qr[g][v], kr[v], t);
         scores[(h0 + g) * n + j] = _mm512_reduce_add_ps(t) * s.scale;
       }
-    });
+    }, d);
   }
   softmax_states(scores, s.heads, n, part);
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
@@ -220,7 +232,7 @@ void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
         KVSCOPE_UNROLL
         for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, vr[v], a[g][v]);
       }
-    });
+    }, d);
     KVSCOPE_UNROLL
     for (int g = 0; g < G; ++g)
       KVSCOPE_UNROLL
