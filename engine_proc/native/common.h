@@ -42,6 +42,15 @@
 
 namespace kvscope {
 
+// Every register of an R x B array of accumulators set to v (unrolled: see KVSCOPE_UNROLL).
+template <typename T, int R, int B>
+inline void fill_registers(T (&a)[R][B], T v) {
+  KVSCOPE_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
+    for (int b = 0; b < B; ++b) a[r][b] = v;
+}
+
 using bf16 = c10::BFloat16;
 constexpr int64_t kGroupSize = 32;  // 4-bit and 8-bit weights: one scale per 32 inputs
 

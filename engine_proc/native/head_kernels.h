@@ -355,16 +355,10 @@ void q8_bf16_rows(const int32_t* const* pairs, const float* const* d, const bf16
                   float* out, int64_t ld) {
   const int64_t groups = k / kGroupSize;
   __m512 acc[R][B];
-  KVSCOPE_UNROLL
-  for (int r = 0; r < R; ++r)
-    KVSCOPE_UNROLL
-    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  fill_registers(acc, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[R][B];
-    KVSCOPE_UNROLL
-    for (int r = 0; r < R; ++r)
-      KVSCOPE_UNROLL
-      for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_ps();
+    fill_registers(part, _mm512_setzero_ps());
     for (int64_t kk = g * kGroupSize; kk < (g + 1) * kGroupSize; kk += 2) {
       __m512bh w[B];
       KVSCOPE_UNROLL

@@ -81,16 +81,10 @@ void q8_head_rows_vnni(const uint8_t* const* u, const float* const* d, const Q8H
                        int64_t row0, int64_t k, float* out, int64_t ld) {
   const int64_t groups = k / kGroupSize;
   __m512 acc[R][B];
-  KVSCOPE_UNROLL
-  for (int r = 0; r < R; ++r)
-    KVSCOPE_UNROLL
-    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  fill_registers(acc, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     __m512i sums[R][B];
-    KVSCOPE_UNROLL
-    for (int r = 0; r < R; ++r)
-      KVSCOPE_UNROLL
-      for (int b = 0; b < B; ++b) sums[r][b] = _mm512_setzero_si512();
+    fill_registers(sums, _mm512_setzero_si512());
     KVSCOPE_UNROLL
     for (int q = 0; q < 8; ++q) {
       __m512i w[B];
