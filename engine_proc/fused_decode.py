@@ -5,8 +5,8 @@ Python.
 The extension is compiled on first use and cached (engine_proc/fused_build.py). Without a
 compiler, or when the build fails, the engine logs a warning and decodes with the eager path.
 
-It serves steps where every sequence decodes one token (``ROWS_PER_CALL`` rows a call) on a
-float32 model with 4-bit decode weights and a float32 KV cache; every other step runs eagerly.
+It runs one-token rows (``ROWS_PER_CALL`` a call) of a float32 model with 4-bit decode weights
+and a float32 KV cache: decodes, and short prompt chunks a row per token (model_runner.py).
 Steps of up to ``PRECISE_ROWS`` rows (a person chatting, a few chats at once) compute the
 4-bit products with bfloat16 activation pairs, so their replies are the dense model's (its
 float32 products to 2^-18); wider steps, where the products' arithmetic is the bound, with
