@@ -80,10 +80,12 @@ ROWS_PER_CALL = 64
 PRECISE_ROWS = 8
 Q8_HEAD_ROWS = 256  # logits of up to this many rows by the 8-bit head kernel
 # Prompt chunks of up to this many tokens in a step run as one-token rows of the precise
-# products, where our AVX512-BF16 kernel runs them (the only one measured against eager
-# prompts). Measured on 2 Zen 5 cores, a chunk after 300 cached tokens, eager / fused rows:
-# 1 thread 8 tokens 58 / 16 ms, 32 132 / 51, 64 273 / 102; 2 threads 8 64 / 14, 64 136 / 55,
-# 128 240 / 109, 256 257 / 285 (from 256 tokens eager prompts run on oneDNN).
+# products where one of our kernels runs them. Measured on 2 Zen 5 cores, a chunk after 300
+# cached tokens, eager / fused rows: AVX512-BF16 kernel, 1 thread 8 tokens 58 / 16 ms, 64
+# 273 / 102; 2 threads 8 64 / 14, 64 136 / 55, 128 240 / 109, 256 257 / 285 (from 256 tokens
+# eager prompts run on oneDNN); the AVX2 float32 kernel on the same CPU (eager products there
+# AVX-512 wide, so an AVX2 CPU's eager prompts can only be slower): 1 thread 8 56 / 28, 128
+# 361 / 273; 2 threads 8 39 / 17, 128 208 / 152.
 FUSED_PROMPT_TOKENS = 128
 
 
@@ -232,7 +234,7 @@ class FusedDecodeStep:
             "fused decode step: 4-bit products by the %s kernel, wide steps' %s on 8-bit "
             "activations (%s)", kernel, ", ".join(q8_products) or "none", q8_kernel,
         )  # fmt: skip
-        prompt_tokens = FUSED_PROMPT_TOKENS if kernel == "avx512_bf16" else 0
+        prompt_tokens = FUSED_PROMPT_TOKENS if kernel in ("avx512_bf16", "avx2_fp32") else 0
         return cls(model, module, decoder, kernel, q8_products=q8_products,
                    max_prompt_tokens=prompt_tokens)  # fmt: skip
 

@@ -256,9 +256,11 @@ def test_only_wide_fused_steps_take_their_logits_from_the_wide_head(extension):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prompt_rows", [False, True])
+@pytest.mark.parametrize(
+    ("prompt_rows", "kernel"), [(False, None), (True, "avx512_bf16"), (True, "avx2_fp32")]
+)
 def test_mixed_steps_run_their_decodes_fused_and_their_prompts_eagerly_or_as_rows(
-    extension, prompt_rows
+    extension, prompt_rows, kernel
 ):
     """A step that prefills a prompt while four sequences decode runs as a fused pass over the
     four one-token rows and a pass over the prompt: eager (split from 4 rows here, from the
@@ -269,8 +271,15 @@ def test_mixed_steps_run_their_decodes_fused_and_their_prompts_eagerly_or_as_row
     whichever pass computed it."""
     ck = q8_head_checkpoint()
     engine = _engine("fused", checkpoint=ck)
+    if kernel is not None:  # prompts as rows: each of our kernels that takes them
+        if kernel not in our_kernels(extension):
+            pytest.skip(f"the {kernel} kernel is not compiled in")
+        try:
+            engine.runner.fused.step = fd.FusedDecodeStep.create(engine.model, extension, kernel)
+        except ValueError as exc:  # it cannot read torch's packed layout here
+            pytest.skip(str(exc))
     step = engine.runner.fused.step
-    assert step is not None and fd.use_head_kernel(engine.model, extension) == "q8"
+    assert step is not None and fd.use_head_kernel(engine.model, extension, step) == "q8"
     engine.runner.min_split_rows = 4
     if _products(step, 4) != "exact":
         pytest.skip("torch's 4-bit kernel (bfloat16 products) runs here, not ours")
