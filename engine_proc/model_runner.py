@@ -139,9 +139,9 @@ class ModelRunner:
         fused = self.fused.ready()
         if fused is None or self.decode_graphs is not None:
             return self._run(self.prepare(batch), None)
-        one_token, rest = split_single_token_rows(batch)
-        if not rest.seqs:
+        if max(batch.num_new_tokens) == 1:  # every row one token: no split to look for
             return self._run(self.prepare(batch), fused)
+        one_token, rest = split_single_token_rows(batch)
         parts: list[tuple[torch.Tensor, list[Sequence]]] = []
         if sum(rest.num_new_tokens) <= fused.max_prompt_tokens:
             # Short prompt chunks as one-token rows of the fused step, its precise products
