@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # What `engine_proc serve` accepts (app/ must not import engine_proc to ask it).
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_WEIGHTS = ("auto", "dense", "int4")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")
 KV_DISK_SUBDIR = "kv-cache"  # the disk KV tier's directory, inside the app's data directory
 
 

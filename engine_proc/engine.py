@@ -18,7 +18,7 @@ import torch
 from engine_proc.attention import select_backend
 from engine_proc.attention.kv_fp8 import calibrate_fp8_scales, calibration_token_ids
 from engine_proc.attention.kv_quant import SCALE_DTYPE as KV_SCALE_DTYPE
-from engine_proc.attention.kv_quant import kv_bytes_per_token
+from engine_proc.attention.kv_quant import kv_bytes_per_token, resolve_kv_cache_dtype
 from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
 from engine_proc.config import EngineConfig
 from engine_proc.detokenizer import IncrementalDetokenizer
@@ -73,7 +73,9 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             mc, ckpt.weights, self.dtype, self.device, self.max_model_len, self.decode_weights
         )
         del ckpt
-        self.kv_cache_dtype = kv_dtype = config.kv_cache_dtype
+        self.kv_cache_dtype = kv_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, self.decode_weights
+        )
         self.kv_bytes_per_token = kv_bytes_per_token(
             kv_dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
         )
@@ -102,7 +104,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             mc.num_layers,
             mc.num_kv_heads,
             mc.head_dim,
-            {"int8": "1 B + a 2 B scale per head", "fp8": "1 B"}.get(
+            {"int8": "1 B + a 2 B scale per head", "fp8": "1 B", "fp16": "2 B", "fp32": "4 B"}.get(
                 kv_dtype, f"{self.dtype.itemsize} B"
             ),
             num_blocks,

@@ -42,8 +42,10 @@ def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: 
     """Why the fused step cannot serve this engine, or None when it can."""
     if model.decode_weights != "int4":
         return "needs decode_weights='int4'"
-    if model.dtype != torch.float32 or kv_cache.dtype != torch.float32 or kv_quantized:
-        return "needs a float32 model and KV cache"
+    if model.dtype != torch.float32 or kv_quantized or kv_cache.dtype not in (
+        torch.float32, torch.float16
+    ):
+        return "needs a float32 model and a float32 or fp16 KV cache"
     if kv_cache.device.type != "cpu":
         return "runs on the CPU only"
     return fused_build.build_unavailable_reason()

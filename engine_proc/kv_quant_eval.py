@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kv-cache-dtype",
         default="int8",
-        choices=("int8", "fp8"),
+        choices=("fp16", "int8", "fp8"),
         help="the quantised format measured against the model-dtype cache",
     )
     p.add_argument("--dtype", default="float32")

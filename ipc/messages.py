@@ -115,7 +115,9 @@ class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_pool_bytes: int = 0  # num_blocks x block_size x kv_bytes_per_token
     decode_weights: str = ""  # "dense" or "int4" (4-bit copies for decode-sized products)
     cuda_graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs; [] = eager
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "int8" (+ a float16 scale/token)
+    # the pool's format: "auto" (the model dtype), "fp32" / "fp16" (that float type under a
+    # model of another), "int8" (+ a float16 scale per token and head) or "fp8"
+    kv_cache_dtype: str = "auto"
     kv_host_bytes: int = 0  # host-memory KV tier below the pool; 0 = none
     kv_disk_bytes: int = 0  # disk KV tier (survives restarts); 0 = none
     role: str = ""  # "" (serves whole requests), "prefill" or "decode" (disaggregated)

@@ -18,6 +18,7 @@ from engine_proc import EngineConfig, LLMEngine, SamplingParams, fused_build
 from engine_proc import fused_decode as fd
 from engine_proc.config import add_kernel_arguments, kernel_options
 from engine_proc.models.int4 import int4_kernels_available
+from tests.attention.test_kv_float_pools import fp16_transform
 from tests.float64_llama import llama_forward
 from tests.test_fused_decode_kernels import our_kernels, q8_matrix
 from tests.test_int4 import (
@@ -33,6 +34,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _engine(decode_step: str, checkpoint=None, **config: object) -> LLMEngine:
+    """An int4 engine; K/V in float32 unless ``kv_cache_dtype`` says otherwise (the default
+    beside 4-bit weights is fp16), so the references compare the products exactly."""
+    config.setdefault("kv_cache_dtype", "fp32")
     return LLMEngine(
         EngineConfig(num_kv_blocks=64, decode_weights="int4", decode_step=decode_step, **config),
         checkpoint=checkpoint or snapped_checkpoint(),
@@ -79,7 +83,7 @@ def test_models_it_cannot_serve_decode_eagerly_with_the_reason_logged(monkeypatc
     caplog.clear()
     int8 = _engine("fused", kv_cache_dtype="int8")
     assert int8.runner.fused.state == "eager"
-    assert "needs a float32 model and KV cache" in caplog.text
+    assert "needs a float32 model and a float32 or fp16 KV cache" in caplog.text
 
 
 def test_a_failed_build_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
@@ -122,6 +126,32 @@ def test_fused_greedy_decoding_follows_the_float64_reference(extension, native_b
     step = engine.runner.fused.step
     check_greedy_decoding_against_reference(engine, native_bf16, decode_products=_products(step, 3))
     # every decode step (8 - 1 per batch) ran fused; the prefills ran eagerly
+    assert engine.runner.num_fused_steps == 2 * 7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wide", [False, True], ids=["precise", "wide"])
+@pytest.mark.parametrize("chunks", [0, 3])
+def test_fused_steps_over_an_fp16_pool_follow_the_float64_forward_of_float16_kv(
+    extension, wide, chunks
+):
+    """The int4 default beside a float32 model: K/V stored as float16 (rotary keys and values
+    rounded to nearest, as torch's .half()), read back widened, by the fused step's prompt rows
+    and decodes, narrow and wide, attended whole or in chunks merged; eager steps (prefill
+    where the kernel takes no rows) read the same pool through torch. The exact 8-bit head
+    (every row's logits float32 products) leaves precise steps a tolerance of 2^-11, which K/V
+    1% off fail."""
+    ck = q8_head_checkpoint()
+    engine = _engine("fused", checkpoint=ck, kv_cache_dtype="auto")
+    assert engine.kv_cache_dtype == "fp16" and engine.runner.kv_cache.dtype == torch.float16
+    step = fd.FusedDecodeStep.create(engine.model, extension, attention_chunks=chunks)
+    engine.runner.fused.step = step
+    if wide:
+        step.precise_rows = 0
+    check_greedy_decoding_against_reference(
+        engine, engine.model.native_bf16, ck, 0,
+        decode_products=_products(step, 1 if wide else 3), kv_transform=fp16_transform,
+    )  # fmt: skip
     assert engine.runner.num_fused_steps == 2 * 7
 
 

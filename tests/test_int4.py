@@ -143,8 +143,10 @@ def snapped_checkpoint():
 
 
 def _engine(decode_weights: str):
+    # float32 K/V beside the 4-bit weights too (their default is fp16): these tests compare
+    # the products, against references with exact K/V
     return LLMEngine(
-        EngineConfig(num_kv_blocks=64, decode_weights=decode_weights),
+        EngineConfig(num_kv_blocks=64, decode_weights=decode_weights, kv_cache_dtype="fp32"),
         checkpoint=snapped_checkpoint(),
     )
 
@@ -277,11 +279,14 @@ def check_greedy_decoding_against_reference(
     ck=None,
     bf16_head_rows: int | None = None,
     decode_products: str = "bf16",
+    kv_transform=None,
 ) -> None:
     """The body of the test above, for an int4 engine over ``ck`` (default snapped_checkpoint())
     whose logits of up to ``bf16_head_rows`` rows (default: BF16_HEAD_ROWS) come from the bf16
     output projection and whose decode products compute ``decode_products`` (one of
-    DECODE_PRODUCTS); also run with the fused decode step (tests/test_fused_decode.py)."""
+    DECODE_PRODUCTS); also run with the fused decode step (tests/test_fused_decode.py).
+    kv_transform: what the engine's KV cache stores of K and V (float64_llama.llama_forward's
+    argument; None: exact)."""
     assert decode_products in DECODE_PRODUCTS, decode_products
     ck = ck or snapped_checkpoint()
     if bf16_head_rows is None:
@@ -328,6 +333,7 @@ def check_greedy_decoding_against_reference(
                 q8_mlp_rows=[False] * len(prompt) + [decode_q8] * (len(out) - 1),
                 q8_attention_rows=[False] * len(prompt)
                 + [decode_products == "q8"] * (len(out) - 1),
+                kv_transform=kv_transform,
             )
             expected = ref.logits[len(prompt) - 1 :]
             got = torch.stack([logits[i] for logits in step_logits]).double()
@@ -340,9 +346,11 @@ def check_greedy_decoding_against_reference(
             # no bf16 rounding anywhere, float32 sums: 2^-14 (single bf16 activations, 2^-9
             # relative, are off by more). 8-bit inputs: a float32 sum on the other side of a
             # code's rounding boundary moves that input by a step, max|x| / 127 of its group,
-            # about one bf16 step of the group's largest: the bf16 budget.
+            # about one bf16 step of the group's largest: the bf16 budget. A float16 KV cache:
+            # an element whose float32 value rounds the other way moves by one float16 step
+            # (2^-11 of it).
             no_bf16 = not decode_bf16 and not head_bf16 and not decode_q8
-            tol = 2 ** (-14 if no_bf16 else -7)
+            tol = 2 ** (-14 if no_bf16 and kv_transform is None else -11 if no_bf16 else -7)
             tol = tol * _sum_of_magnitudes(ref.hidden[len(prompt) - 1 :], ref.lm_head)
             tol = tol + bf16_ulp(expected)
             assert_within(got, expected, tol)

@@ -287,7 +287,8 @@ class MainWindow(QMainWindow):
         self.lifecycle.set_decode_weights(value)
 
     def set_kv_cache_dtype(self, value: str) -> None:
-        """*Engine → KV cache → Element type*: "auto" or a quantised type ("int8", "fp8")."""
+        """*Engine → KV cache → Element type*: "auto", a float type ("fp32", "fp16") or a
+        quantised one ("int8", "fp8")."""
         self.lifecycle.set_kv_cache_dtype(value)
 
     def set_kv_host_memory(self, nbytes: int) -> None:

@@ -24,7 +24,10 @@ INT8_SCALE_BYTES = 2
 KV_DTYPE_TIPS = {
     "int8": "int8 K/V: 1 byte per value plus a float16 scale per token, layer, K/V and KV head",
     "fp8": "fp8 (e4m3) K/V: 1 byte per value; one float32 scale per layer for K and for V",
+    "fp16": "float16 K/V: 2 bytes per value (the model computes in its own type)",
+    "fp32": "float32 K/V: 4 bytes per value (the model computes in its own type)",
 }
+FLOAT_KV_BYTES = {"fp32": 4, "fp16": 2}  # a float pool of another type than the model's
 
 
 def human_bytes(n: float) -> str:
@@ -54,7 +57,8 @@ def kv_formula(model: object) -> str:
                 f"{model.kv_bytes_per_token:,} B")
     if getattr(model, "kv_cache_dtype", "auto") == "fp8":  # per-layer scales: not per token
         return f"KV/token fp8 2·L·H_kv·D·1 = 2·{L}·{H}·{D}·1 = {model.kv_bytes_per_token:,} B"
-    b = DTYPE_BYTES.get(str(model.dtype).replace("torch.", ""))
+    b = FLOAT_KV_BYTES.get(getattr(model, "kv_cache_dtype", "auto")) or DTYPE_BYTES.get(
+        str(model.dtype).replace("torch.", ""))
     if b is None:
         return f"KV/token {model.kv_bytes_per_token:,} B"
     return f"KV/token 2·L·H_kv·D·bytes = 2·{L}·{H}·{D}·{b} = {model.kv_bytes_per_token:,} B"

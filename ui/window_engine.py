@@ -44,7 +44,14 @@ DECODE_WEIGHT_CHOICES = (
 MIB, GIB = 1 << 20, 1 << 30
 # Engine → KV cache: (value, label, tooltip) per exclusive group.
 KV_DTYPE_CHOICES = (
-    ("auto", "Automatic (the model's dtype)", "K and V kept in the model's own element type"),
+    ("auto", "Automatic (the model's dtype; fp16 beside 4-bit decode)",
+     "K and V kept in the model's own element type, except float16 when a float32 model decodes "
+     "on 4-bit weights (CPU): half the bytes, as llama.cpp keeps them"),
+    ("fp32", "fp32 (exact beside 4-bit decode)",
+     "float32 K and V whatever the model's type (CPU): 4 bytes per value"),
+    ("fp16", "fp16 (half the bytes of fp32)",
+     "float16 K and V whatever the model's type (CPU): the fused decode step reads them at "
+     "twice the speed of float32 ones"),
     ("int8", "int8 (about half the bytes per token)",
      "int8 K and V with a float16 scale per token and KV head: about twice the tokens in the "
      "same pool, a small loss of precision"),

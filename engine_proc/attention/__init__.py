@@ -14,6 +14,9 @@ logger = logging.getLogger(__name__)
 
 _TORCH_BACKENDS: dict[str, type[TorchAttentionBackend]] = {
     "auto": TorchAttentionBackend,
+    # a float pool of another type than the model's: reads and writes cast (torch_ref.py)
+    "fp32": TorchAttentionBackend,
+    "fp16": TorchAttentionBackend,
     "int8": Int8TorchAttentionBackend,
     "fp8": Fp8TorchAttentionBackend,
 }
@@ -26,7 +29,8 @@ def select_backend(
 ) -> AttentionBackend:
     """'auto': Triton on CUDA (when it can run there), the torch reference elsewhere;
     'torch' / 'triton' force one. Either reads and writes the pool in ``kv_cache_dtype``
-    (auto | int8 | fp8)."""
+    (auto | int8 | fp8; fp32 and fp16 pools under a model of another dtype on the torch backend
+    only: engine_proc/attention/kv_quant.py resolve_kv_cache_dtype)."""
     if name not in ("auto", "torch", "triton"):
         raise ValueError(
             f"attention_backend must be one of ('auto', 'torch', 'triton'), got {name!r}"
@@ -38,6 +42,11 @@ def select_backend(
     torch_backend = _TORCH_BACKENDS[kv_cache_dtype]
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return torch_backend()
+    if kv_cache_dtype in ("fp32", "fp16"):
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} under a model of another dtype runs on the torch "
+            "attention backend only; on CUDA use 'auto' (the model dtype), 'int8' or 'fp8'"
+        )
     from engine_proc.attention import triton_backend as tb
 
     if not tb.is_triton_usable(device):

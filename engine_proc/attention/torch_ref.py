@@ -1,5 +1,8 @@
 """Pure-torch paged attention: the reference path on CPU and the oracle for the Triton kernels.
 
+The pool may hold another float type than the model's (kv_cache_dtype "fp16" under a float32
+model): writes round into it, reads widen back to the query's dtype.
+
 Decode tokens (query length 1) of all sequences are served by one batched call over K/V gathered
 through the block tables; each prompt chunk gets its own call with a causal mask offset by its
 cached context. Index tensors and masks are built once per step (the plan) and reused by every
@@ -57,8 +60,8 @@ class TorchAttentionBackend:
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-        flat_k.index_copy_(0, slot_mapping, key)
-        flat_v.index_copy_(0, slot_mapping, value)
+        flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+        flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
     def forward(
         self,
@@ -73,8 +76,8 @@ class TorchAttentionBackend:
             plan = meta.backend_plan[self.name] = _make_plan(meta, k_cache.shape[1], query.device)
         out = torch.empty_like(query)
         for p in plan.prefills:
-            k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len]
-            v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len].to(query.dtype)
+            v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len].to(query.dtype)
             q = query[p.start : p.start + p.q_len]
             out[p.start : p.start + p.q_len] = _attend(q, k, v, p.mask, scale)
         if plan.decode is not None:
@@ -83,7 +86,7 @@ class TorchAttentionBackend:
             # index_select over the flattened block ids: one gather per layer and tensor.
             k = k_cache.index_select(0, d.tables.view(-1)).view(b, -1, *k_cache.shape[2:])
             v = v_cache.index_select(0, d.tables.view(-1)).view(b, -1, *v_cache.shape[2:])
-            k, v = k[:, : d.max_len], v[:, : d.max_len]  # [B, S, H_kv, D]
+            k, v = k[:, : d.max_len].to(query.dtype), v[:, : d.max_len].to(query.dtype)
             q = query if d.token_idx is None else query[d.token_idx]
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2),  # [B, H, 1, D]

@@ -1,5 +1,7 @@
 // Attention of one decode token per sequence over the paged KV cache, read in place through
-// the block table (no gathered copy of the context), float32 throughout.
+// the block table (no gathered copy of the context): float32 arithmetic over a float32 or
+// float16 cache (T, the pool's element type: float16 halves the bytes the wide steps read,
+// llama.cpp's default KV type; values widen exactly as they load).
 //
 // Keys are visited block by block, every KV head of a block before the next block: a block's
 // slots are contiguous, so the reads stream (one head at a time across the whole context
@@ -87,27 +89,36 @@ inline float exp_sum(float* sc, int64_t n, float m) {
   return total;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+inline float to_float(float x) { return x; }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// A row of d floats stored as T (float16: rounded to nearest even, as torch's .half()).
+inline void store_row(const float* x, float* out, int64_t d) { std::copy(x, x + d, out); }
+inline void store_row(const float* x, at::Half* out, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<at::Half>(x[i]);
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
 #if defined(__AVX512F__)
   if (n % 16 == 0) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
     return _mm512_reduce_add_ps(acc);
   }
 #elif KVSCOPE_HAVE_AVX2
   if (n % 16 == 0) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), a1);
     }
     return hsum8(_mm256_add_ps(a0, a1));
   }
 #endif
   float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
 
@@ -115,6 +126,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float p, const float* v, float* acc, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
+}
+inline void axpy(float p, const at::Half* v, float* acc, int64_t n) {
+  int64_t i = 0;
+#if KVSCOPE_HAVE_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += p * to_float(v[i]);
 }
 
 // Softmax state of one query head over a chunk of keys: exp(score - max) summed, and those
@@ -124,25 +144,26 @@ struct Partial {
 };
 
 // fn(slot, j) for keys j = 0..n-1 of the blocks [b0, b1) of a table: slot points `offset`
-// floats into key j's slot of `cache`, keys visited in cache order.
-// width > 0: while a block is visited, the `width` floats from `offset` of each slot of the
+// elements into key j's slot of `cache`, keys visited in cache order.
+// width > 0: while a block is visited, the `width` elements from `offset` of each slot of the
 // next block are prefetched (blocks are scattered, so the hardware prefetcher stops at each
 // block's end and the first keys of the next would wait on memory).
-template <typename Fn>
-inline void for_each_key(const float* cache, const int32_t* table, int64_t b0, int64_t b1,
+template <typename T, typename Fn>
+inline void for_each_key(const T* cache, const int32_t* table, int64_t b0, int64_t b1,
                          int64_t n, int64_t block_size, int64_t slot_stride, int64_t offset,
                          Fn&& fn, int64_t width = 0) {
-  const int64_t block_floats = block_size * slot_stride;
+  const int64_t block_elems = block_size * slot_stride;
+  constexpr int64_t line = 64 / sizeof(T);
   for (int64_t b = b0, j = 0; b < b1 && j < n; ++b) {
-    const float* block = cache + static_cast<int64_t>(table[b]) * block_floats + offset;
+    const T* block = cache + static_cast<int64_t>(table[b]) * block_elems + offset;
     const int64_t m = std::min(block_size, n - j);
     if (width > 0 && b + 1 < b1 && j + m < n) {
       const char* next = reinterpret_cast<const char*>(
-          cache + static_cast<int64_t>(table[b + 1]) * block_floats + offset);
+          cache + static_cast<int64_t>(table[b + 1]) * block_elems + offset);
       const int64_t next_m = std::min(block_size, n - j - m);
       for (int64_t o = 0; o < next_m; ++o)
-        for (int64_t f = 0; f < width; f += 16)  // a 64-byte line
-          __builtin_prefetch(next + (o * slot_stride + f) * sizeof(float), 0, 3);
+        for (int64_t f = 0; f < width; f += line)
+          __builtin_prefetch(next + (o * slot_stride + f) * sizeof(T), 0, 3);
     }
     for (int64_t o = 0; o < m; ++o) fn(block + o * slot_stride, j + o);
     j += m;
@@ -160,22 +181,22 @@ inline void softmax_states(float* scores, int64_t heads, int64_t n, Partial* par
 
 // Attention of all heads of one row over the blocks [b0, b1) of its table (keys up to seq_len):
 // per head, max, sum and the unnormalised output into acc [heads, d].
-inline void attend_chunk(const StepShape& s, const float* q, const float* k_cache,
-                         const float* v_cache, const int32_t* table, int64_t seq_len, int64_t b0,
+template <typename T>
+void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len, int64_t b0,
                          int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads, bs = s.block_size;
-  const int64_t slot_stride = s.kv_heads * d;  // floats per cache slot
+  const int64_t slot_stride = s.kv_heads * d;  // elements per cache slot
   const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
   scores_buf.resize(s.heads * n);
   float* scores = scores_buf.data();  // [heads, n]
   // slot by slot, every head: the block's bytes in order
-  for_each_key(k_cache, table, b0, b1, n, bs, slot_stride, 0, [&](const float* key, int64_t j) {
+  for_each_key(k_cache, table, b0, b1, n, bs, slot_stride, 0, [&](const T* key, int64_t j) {
     for (int64_t h = 0; h < s.heads; ++h)
       scores[h * n + j] = dot(q + h * d, key + (h / group) * d, d) * s.scale;
   });
   softmax_states(scores, s.heads, n, part);
   std::fill(acc, acc + s.heads * d, 0.f);
-  for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, 0, [&](const float* value, int64_t j) {
+  for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, 0, [&](const T* value, int64_t j) {
     for (int64_t h = 0; h < s.heads; ++h)
       axpy(scores[h * n + j], value + (h / group) * d, acc + h * d, d);
   });
@@ -186,9 +207,8 @@ inline void attend_chunk(const StepShape& s, const float* q, const float* k_cach
 // queries stay in registers while its keys stream past, and its G outputs accumulate in
 // registers while its values do (the generic version reloads and stores every head's
 // accumulator for every key).
-template <int V, int G>
-void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
-                       const float* v_cache, const int32_t* table, int64_t seq_len, int64_t b0,
+template <typename T, int V, int G>
+void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len, int64_t b0,
                        int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
   constexpr int64_t d = 16 * V;
   const int64_t bs = s.block_size, slot_stride = s.kv_heads * d;
@@ -202,10 +222,10 @@ void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
     for (int g = 0; g < G; ++g)
       KVSCOPE_UNROLL
       for (int v = 0; v < V; ++v) qr[g][v] = _mm512_loadu_ps(q + (h0 + g) * d + 16 * v);
-    for_each_key(k_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const float* key, int64_t j) {
+    for_each_key(k_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const T* key, int64_t j) {
       __m512 kr[V];
       KVSCOPE_UNROLL
-      for (int v = 0; v < V; ++v) kr[v] = _mm512_loadu_ps(key + 16 * v);
+      for (int v = 0; v < V; ++v) kr[v] = load16(key + 16 * v);
       KVSCOPE_UNROLL
       for (int g = 0; g < G; ++g) {
         __m512 t = _mm512_mul_ps(qr[g][0], kr[0]);
@@ -222,10 +242,10 @@ void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
     for (int g = 0; g < G; ++g)
       KVSCOPE_UNROLL
       for (int v = 0; v < V; ++v) a[g][v] = _mm512_setzero_ps();
-    for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const float* value, int64_t j) {
+    for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const T* value, int64_t j) {
       __m512 vr[V];
       KVSCOPE_UNROLL
-      for (int v = 0; v < V; ++v) vr[v] = _mm512_loadu_ps(value + 16 * v);
+      for (int v = 0; v < V; ++v) vr[v] = load16(value + 16 * v);
       KVSCOPE_UNROLL
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[(h0 + g) * n + j]);
@@ -241,38 +261,41 @@ void attend_chunk_regs(const StepShape& s, const float* q, const float* k_cache,
 }
 #endif
 
-using AttendChunk = void (*)(const StepShape&, const float*, const float*, const float*,
-                             const int32_t*, int64_t, int64_t, int64_t, Partial*, float*,
-                             std::vector<float>&);
+template <typename T>
+using AttendChunk = void (*)(const StepShape&, const float*, const T*, const T*, const int32_t*,
+                             int64_t, int64_t, int64_t, Partial*, float*, std::vector<float>&);
 
 // The attention of one chunk for this shape: the register version where its G x V
 // accumulators fit (heads of 16, 32 or 64 floats, up to 4 query heads per KV head), else the
 // generic one.
-inline AttendChunk pick_attend_chunk(const StepShape& s) {
+template <typename T>
+AttendChunk<T> pick_attend_chunk(const StepShape& s) {
 #if defined(__AVX512F__)
   const int64_t group = s.heads / s.kv_heads;
-  constexpr AttendChunk table[3][4] = {
-      {attend_chunk_regs<1, 1>, attend_chunk_regs<1, 2>, attend_chunk_regs<1, 3>, attend_chunk_regs<1, 4>},
-      {attend_chunk_regs<2, 1>, attend_chunk_regs<2, 2>, attend_chunk_regs<2, 3>, attend_chunk_regs<2, 4>},
-      {attend_chunk_regs<4, 1>, attend_chunk_regs<4, 2>, attend_chunk_regs<4, 3>, attend_chunk_regs<4, 4>}};
+  constexpr AttendChunk<T> table[3][4] = {
+      {attend_chunk_regs<T, 1, 1>, attend_chunk_regs<T, 1, 2>, attend_chunk_regs<T, 1, 3>, attend_chunk_regs<T, 1, 4>},
+      {attend_chunk_regs<T, 2, 1>, attend_chunk_regs<T, 2, 2>, attend_chunk_regs<T, 2, 3>, attend_chunk_regs<T, 2, 4>},
+      {attend_chunk_regs<T, 4, 1>, attend_chunk_regs<T, 4, 2>, attend_chunk_regs<T, 4, 3>, attend_chunk_regs<T, 4, 4>}};
   const int row = s.head_dim == 16 ? 0 : s.head_dim == 32 ? 1 : s.head_dim == 64 ? 2 : -1;
   if (row >= 0 && group >= 1 && group <= 4) return table[row][group - 1];
 #endif
-  return attend_chunk;
+  return attend_chunk<T>;
 }
 
 // Rotary on the row's query heads and keys; the new K/V written at its slot (if any).
-inline void rope_and_write(const StepShape& s, const float* qkv_row, const float* cos,
-                           const float* sin, float* k_cache, float* v_cache, int64_t slot,
-                           float* q) {
+template <typename T>
+void rope_and_write(const StepShape& s, const float* qkv_row, const float* cos, const float* sin,
+                    T* k_cache, T* v_cache, int64_t slot, float* q) {
   const int64_t d = s.head_dim, slot_stride = s.kv_heads * d;
   for (int64_t h = 0; h < s.heads; ++h) rope(qkv_row + h * d, cos, sin, d, q + h * d);
   if (slot < 0) return;
+  std::vector<float> key(d);
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const float* k_in = qkv_row + (s.heads + kvh) * d;
     const float* v_in = qkv_row + (s.heads + s.kv_heads + kvh) * d;
-    rope(k_in, cos, sin, d, k_cache + slot * slot_stride + kvh * d);
-    std::copy(v_in, v_in + d, v_cache + slot * slot_stride + kvh * d);
+    rope(k_in, cos, sin, d, key.data());
+    store_row(key.data(), k_cache + slot * slot_stride + kvh * d, d);
+    store_row(v_in, v_cache + slot * slot_stride + kvh * d, d);
   }
 }
 

@@ -54,6 +54,14 @@ inline void fill_registers(T (&a)[R][B], T v) {
 using bf16 = c10::BFloat16;
 constexpr int64_t kGroupSize = 32;  // 4-bit and 8-bit weights: one scale per 32 inputs
 
+#if defined(__AVX512F__)
+// Sixteen floats from float32 or float16 values (widening is exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 #if KVSCOPE_HAVE_AVX2
 // Eight scales or lows from float32 or float16 values (F16C: exact widening).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -4,8 +4,8 @@
 // 4-bit products (int4_kernels.h), attention (attention.h) and the output projection
 // (head_kernels.h). Built at run time by engine_proc/fused_decode.py.
 //
-// Float32 throughout (hidden states, RMSNorm, rotary, attention over a float32 KV cache,
-// SiLU-and-multiply), around 4-bit products with float32 outputs whose activations enter as
+// Float32 throughout (hidden states, RMSNorm, rotary, attention over a float32 or float16 KV
+// cache, SiLU-and-multiply), around 4-bit products with float32 outputs whose activations enter as
 // bfloat16 (fast: the eager int4 path's arithmetic, engine_proc/models/llama.py) or as a
 // bfloat16 pair hi + lo (precise: the dense float32 model's products to 2^-18; see
 // int4_kernels.h). The caller picks per step. Fast steps take 8-bit activations instead in the
@@ -76,7 +76,8 @@ class FusedDecoder {
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor kv_cache,
                      const at::Tensor& slots, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& final_norm, bool precise) {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "float32 KV cache");
+    const bool half_kv = kv_cache.scalar_type() == at::kHalf;
+    TORCH_CHECK(half_kv || kv_cache.scalar_type() == at::kFloat, "float32 or float16 KV cache");
     TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous inputs");
     TORCH_CHECK(kv_cache.size(0) == static_cast<int64_t>(layers_.size()), "KV cache layers");
     TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
@@ -101,8 +102,13 @@ class FusedDecoder {
       rms_norm(hp, L.input_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<float>());
       at::Tensor qkv = int4_mm(x, L.qkv, precise);
       add_bias(qkv, L.qkv.bias);
-      float* k_cache = kv_cache.data_ptr<float>() + li * layer_stride;
-      attention(s, qkv, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
+      if (half_kv) {
+        at::Half* k_cache = kv_cache.data_ptr<at::Half>() + li * layer_stride;
+        attention(s, qkv, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
+      } else {
+        float* k_cache = kv_cache.data_ptr<float>() + li * layer_stride;
+        attention(s, qkv, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
+      }
       add_into(hp, int4_mm(attn, L.o, precise));
       rms_norm(hp, L.post_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<float>());
       at::Tensor gu = int4_mm(x, L.gate_up, precise);
@@ -142,9 +148,10 @@ class FusedDecoder {
   // Rotary and the K/V write for every row, then attention over (row, chunk of its blocks)
   // tasks: one chunk per row for short contexts (a fork-join costs more than the arithmetic),
   // one per thread for long ones.
+  template <typename T>
   void attention(const StepShape& s, const at::Tensor& qkv_f, const int64_t* pos,
-                 const int64_t* slot, const int32_t* tables, const int32_t* lens, float* k_cache,
-                 float* v_cache, at::Tensor& attn) const {
+                 const int64_t* slot, const int32_t* tables, const int32_t* lens, T* k_cache,
+                 T* v_cache, at::Tensor& attn) const {
     const int64_t rows = qkv_f.size(0), width = qkv_f.size(1), d = s.head_dim, hd = s.heads * d;
     const float* qkv = qkv_f.data_ptr<float>();
     std::vector<float> q(rows * hd);
@@ -158,7 +165,7 @@ class FusedDecoder {
         attention_chunks_ > 0 ? attention_chunks_ : work < (1 << 17) ? 1 : at::get_num_threads();
     std::vector<Partial> part(rows * chunks * s.heads);
     std::vector<float> acc(rows * chunks * hd);
-    const auto attend = pick_attend_chunk(s);
+    const auto attend = pick_attend_chunk<T>(s);
     at::parallel_for(0, rows * chunks, chunks > 1 ? 1 : rows, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores;
       for (int64_t t = t0; t < t1; ++t) {

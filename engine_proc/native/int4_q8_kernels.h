@@ -207,10 +207,6 @@ void int4_strip_rows_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, 
 #endif
 
 #if KVSCOPE_HAVE_AVX512_VNNI
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // int4_strip_q8 with vpdpbusd: a strip's 32 bytes become the 16 columns' 4 codes in the 4
 // bytes of each 32-bit lane (low nibbles the first 8 columns, high nibbles the last 8), so one
