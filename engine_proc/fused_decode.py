@@ -6,7 +6,8 @@ The extension is compiled on first use and cached (engine_proc/fused_build.py). 
 compiler, or when the build fails, the engine logs a warning and decodes with the eager path.
 
 It runs one-token rows (``ROWS_PER_CALL`` a call) of a float32 model with 4-bit decode weights
-and a float32 KV cache: decodes, and short prompt chunks a row per token (model_runner.py).
+and a float32 or float16 KV cache (float16 by default there: attention/kv_quant.py): decodes,
+and short prompt chunks a row per token (model_runner.py).
 Steps of up to ``PRECISE_ROWS`` rows (a person chatting, a few chats at once) compute the
 4-bit products with bfloat16 activation pairs, so their replies are the dense model's (its
 float32 products to 2^-18); wider steps, where the products' arithmetic is the bound, with
@@ -30,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from engine_proc import fused_build
+from engine_proc import fused_build, fused_head
 from engine_proc.attention.base import AttentionMetadata
 from engine_proc.config import SUPPORTED_DECODE_STEPS
 from engine_proc.models.int4 import Int4Weight
@@ -65,7 +66,7 @@ Q8_KERNELS = ("portable", "avx2", "avx512_vnni")
 # two in float32 (the MLP's on 8 bits: 7 and 7; all four: 5); on AVX512-BF16 the alternative is
 # single bfloat16 activations, no closer (the MLP's on 8 bits: 6 and 7; all four: 7 and 7), and
 # the VNNI kernel runs at about twice its speed (16 and 64 rows, Zen 5).
-_MLP, _ALL = ("gate_up", "down"), ("qkv", "o", "gate_up", "down")
+_MLP, _ALL = ("gate_up", "down"), fused_head.ALL_PRODUCTS
 Q8_PRODUCTS = {
     ("avx2_fp32", "avx2"): _MLP,
     ("avx2_fp32", "avx512_vnni"): _MLP,
@@ -80,7 +81,6 @@ ROWS_PER_CALL = 64
 # rate a quarter). Whole steps of the default model, precise and fast alternating in one process
 # (median forward): 1 row 5.13 / 4.31 ms, 8 rows 21.3 / 15.5 ms.
 PRECISE_ROWS = 8
-Q8_HEAD_ROWS = 256  # logits of up to this many rows by the 8-bit head kernel
 # Prompt chunks of up to this many tokens in a step run as one-token rows of the precise
 # products where one of our kernels runs them. Measured on 2 Zen 5 cores, a chunk after 300
 # cached tokens, eager / fused rows: AVX512-BF16 kernel, 1 thread 8 tokens 58 / 16 ms, 64
@@ -190,11 +190,12 @@ class FusedDecodeStep:
     int4_kernel: str = "torch"  # one of INT4_KERNELS
     precise_rows: int = PRECISE_ROWS  # steps up to this many rows: precise products (ours)
     q8_products: tuple[str, ...] = ()  # wider steps' products on 8-bit activations
+    q8_kernel: str = "portable"  # the 8-bit-activation kernel running them (Q8_KERNELS)
     # Prompt chunks of up to this many tokens (a step's together) run as one-token rows of
     # precise products (model_runner.py); 0: none
     max_prompt_tokens: int = 0
     # Logits of wider steps (hidden -> float32 logits), when set: 8-bit or bfloat16 activations
-    # against the exact 8-bit output projection (use_head_kernel); else compute_logits'.
+    # against the exact 8-bit output projection (fused_head.use_head_kernel); else compute_logits'.
     wide_head: Callable[[torch.Tensor], torch.Tensor] | None = None
     wide_head_kind: str = "none"  # "q8" (8-bit activations), "bf16" or "none"
 
@@ -237,7 +238,7 @@ class FusedDecodeStep:
             "activations (%s)", kernel, ", ".join(q8_products) or "none", q8_kernel,
         )  # fmt: skip
         prompt_tokens = FUSED_PROMPT_TOKENS if kernel in ("avx512_bf16", "avx2_fp32") else 0
-        return cls(model, module, decoder, kernel, q8_products=q8_products,
+        return cls(model, module, decoder, kernel, q8_products=q8_products, q8_kernel=q8_kernel,
                    max_prompt_tokens=prompt_tokens)  # fmt: skip
 
     @staticmethod
@@ -247,7 +248,7 @@ class FusedDecodeStep:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a fused step's rows: as precise as its products (the model's exact head
-        up to ``precise_rows`` rows), ``wide_head``'s above where it is set (use_head_kernel)."""
+        up to ``precise_rows`` rows), ``wide_head``'s above where it is set (fused_head.py)."""
         if self.wide_head is not None and hidden.shape[0] > self.precise_rows:
             return self.wide_head(hidden)
         return self.model.compute_logits(hidden)
@@ -329,55 +330,8 @@ class FusedDecode:
             self.state = "eager"
             return
         self.step = FusedDecodeStep.create(self.model, module)
-        use_head_kernel(self.model, module, self.step)
+        fused_head.use_head_kernel(self.model, module, self.step)
         self.state = "fused"
-
-
-def use_head_kernel(
-    model: LlamaModel, module: ModuleType, step: FusedDecodeStep | None = None
-) -> str:
-    """Route decode-sized logits through the extension: the exact 8-bit weights in float32
-    where the output projection is 8-bit valued (a GGUF Q8_0 tensor: the default model), else
-    its bf16 kernel for the int4 mode's bf16 copy. Returns which ("q8", "bf16" or "none").
-    With the 8-bit one, ``step``'s wide steps get their logits as precise as their products:
-    8-bit activations where they take all four products on them (AVX512-VNNI: llama.cpp's
-    Q8_0 x Q8_0, 1.7x the bfloat16 kernel at 64 rows), else bfloat16 activations where the CPU
-    has AVX512-BF16 (1.8x the float32 kernel at 64 rows)."""
-    q8 = module.q8_pack(model.lm_head) if model.lm_head.dtype == torch.float32 else []
-    if q8:
-        codes, scales = q8
-        model.head_kernel = lambda hidden: module.q8_logits(hidden, codes, scales)
-        # float32 products either way; measured 1.6x faster than the dense product at 64 rows
-        model.head_kernel_rows = Q8_HEAD_ROWS
-        if step is not None:
-            step.wide_head_kind, step.wide_head = _wide_head(model, module, step, codes, scales)
-        kind = "q8"
-    elif model.lm_head_decode is not None:
-        weight, native = model.lm_head_decode, model.native_bf16
-        model.head_kernel = lambda hidden: module.bf16_logits(hidden, weight, native)
-        model.head_kernel_rows = model.lm_head_decode_rows
-        kind = "bf16"
-    else:
-        return "none"
-    logger.info("fused decode step: output projection by the %s kernel", kind)
-    return kind
-
-
-def _wide_head(
-    model: LlamaModel, module: ModuleType, step: FusedDecodeStep, codes: torch.Tensor,
-    scales: torch.Tensor,
-) -> tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]:  # fmt: skip
-    """Which kernel computes the logits of ``step``'s wide steps from the 8-bit head (q8_pack's
-    codes and scales), and the function: ("q8", 8-bit activations), ("bf16", ...) or
-    ("none", None)."""
-    pairs = len(codes) % 2 == 0  # both kernels take the 16-output blocks in pairs
-    vnni = Q8_KERNELS[module.best_q8_kernel()] == "avx512_vnni"
-    if set(step.q8_products) == set(_ALL) and vnni and module.q8_head_vnni_available() and pairs:
-        offset_codes = module.q8_vnni_pack(codes)
-        return "q8", lambda hidden: module.q8_q8_logits(hidden, offset_codes, scales, True)
-    if model.native_bf16 and module.q8_bf16_available() and pairs:
-        return "bf16", lambda hidden: module.q8_bf16_logits(hidden, codes, scales)
-    return "none", None
 
 
 def _guarded_load() -> ModuleType | None:

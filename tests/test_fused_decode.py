@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from engine_proc import EngineConfig, LLMEngine, SamplingParams, fused_build
+from engine_proc import EngineConfig, LLMEngine, SamplingParams, fused_build, fused_head
 from engine_proc import fused_decode as fd
 from engine_proc.config import add_kernel_arguments, kernel_options
 from engine_proc.models.int4 import int4_kernels_available
@@ -237,55 +237,6 @@ def test_auto_loads_a_cached_build_or_builds_in_the_background(extension, monkey
 
 
 @pytest.mark.slow
-def test_fused_decoding_with_an_8bit_head_follows_the_float64_reference(extension):
-    ck = q8_head_checkpoint()
-    engine = _engine("fused", checkpoint=ck)
-    assert fd.use_head_kernel(engine.model, extension) == "q8"
-    assert fd.use_head_kernel(_engine("fused").model, extension) == "bf16"
-    # float32 products on the exact weights: the reference's unrounded head, for every row;
-    # with our kernels, float32 products everywhere (a tolerance of 2^-14)
-    step = engine.runner.fused.step
-    check_greedy_decoding_against_reference(
-        engine, engine.model.native_bf16, ck, 0, decode_products=_products(step, 3)
-    )
-
-
-@pytest.mark.slow
-def test_only_wide_fused_steps_take_their_logits_from_the_wide_head(extension):
-    engine = _engine("fused", checkpoint=q8_head_checkpoint())
-    step = engine.runner.fused.step
-    if step.wide_head is None:
-        pytest.skip("the wide 8-bit heads need AVX512-BF16 or AVX512-VNNI")
-    # by CPU: AVX512-VNNI with AVX512-BF16 (wide steps' four products on 8 bits): 8-bit
-    # activations; AVX512-BF16 alone: bfloat16 ones
-    vnni = extension.q8_kernel_compiled(fd.Q8_KERNELS.index("avx512_vnni"))
-    expected_kind = "q8" if vnni and step.int4_kernel == "avx512_bf16" else "bf16"
-    assert step.wide_head_kind == expected_kind
-    codes, scales = extension.q8_pack(engine.model.lm_head)
-    hidden = torch.randn(9, engine.model.config.hidden_size)
-    if expected_kind == "q8":
-        offset = extension.q8_vnni_pack(codes)
-        expected = extension.q8_q8_logits(hidden, offset, scales, True)
-    else:
-        expected = extension.q8_bf16_logits(hidden, codes, scales)
-    assert torch.equal(step.wide_head(hidden), expected)
-    calls: list[int] = []
-    wide_head = step.wide_head
-
-    def counting(hidden):
-        calls.append(hidden.shape[0])
-        return wide_head(hidden)
-
-    step.wide_head = counting
-    prompts = [list(range(5, 12)), list(range(20, 31)), [3] * 9]
-    engine.generate(prompts, fd_params())  # 3 rows a step: precise, the exact head
-    assert calls == []
-    step.precise_rows = 2
-    engine.generate(prompts, fd_params())  # every decode step is wide now
-    assert calls == [3, 3, 3]  # fd_params: 4 tokens, the first from the (eager) prefill
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("prompt_rows", "kernel"), [(False, None), (True, "avx512_bf16"), (True, "avx2_fp32")]
 )
@@ -309,7 +260,7 @@ def test_mixed_steps_run_their_decodes_fused_and_their_prompts_eagerly_or_as_row
         except ValueError as exc:  # it cannot read torch's packed layout here
             pytest.skip(str(exc))
     step = engine.runner.fused.step
-    assert step is not None and fd.use_head_kernel(engine.model, extension, step) == "q8"
+    assert step is not None and fused_head.use_head_kernel(engine.model, extension, step) == "q8"
     engine.runner.min_split_rows = 4
     if _products(step, 4) != "exact":
         pytest.skip("torch's 4-bit kernel (bfloat16 products) runs here, not ours")
