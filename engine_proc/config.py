@@ -23,9 +23,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # wins over kv_cache_memory when set
     kv_cache_memory: int = 256 * 1024 * 1024  # bytes for the K/V pool
     # "auto": K/V in the model dtype, except float16 beside 4-bit decode weights under a float32
-    # model (attention/kv_quant.py resolve_kv_cache_dtype); "fp32" / "fp16": float32 / float16
-    # K/V whatever the model dtype (torch attention backend); "int8": int8 with a float16 scale
-    # per token and KV head
+    # model on AVX512-BF16 CPUs (attention/kv_quant.py resolve_kv_cache_dtype); "fp32" / "fp16":
+    # float32 / float16 K/V whatever the model dtype (torch attention backend); "int8": int8
+    # with a float16 scale per token and KV head
     # (engine_proc/attention/kv_quant.py), about half the bytes of bf16; "fp8": float8 e4m3 with
     # one scale per layer for K and V, set at start from a fixed prompt (attention/kv_fp8.py),
     # half the bytes of bf16. Both run on the torch and the Triton attention backends.
@@ -155,7 +155,8 @@ def add_kv_tier_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
         "--kv-cache-dtype",
         default="auto",
         choices=SUPPORTED_KV_CACHE_DTYPES,
-        help="auto: the model dtype (fp16 beside int4 decode weights under a float32 model); "
+        help="auto: the model dtype (fp16 beside int4 decode weights under a float32 model on "
+        "AVX-512 bf16 CPUs); "
         "fp32 / fp16: that float type (CPU); int8: per-token int8 K/V (about half the bytes of "
         "bf16); fp8: float8 e4m3 K/V with per-layer scales (half the bytes of bf16)",
     )

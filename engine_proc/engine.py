@@ -74,7 +74,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         )
         del ckpt
         self.kv_cache_dtype = kv_dtype = resolve_kv_cache_dtype(
-            config.kv_cache_dtype, self.dtype, self.decode_weights
+            config.kv_cache_dtype, self.dtype, self.decode_weights, self.model.native_bf16
         )
         self.kv_bytes_per_token = kv_bytes_per_token(
             kv_dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize

@@ -135,15 +135,16 @@ def test_fused_greedy_decoding_follows_the_float64_reference(extension, native_b
 def test_fused_steps_over_an_fp16_pool_follow_the_float64_forward_of_float16_kv(
     extension, wide, chunks
 ):
-    """The int4 default beside a float32 model: K/V stored as float16 (rotary keys and values
+    """The int4 default beside a float32 model on AVX512-BF16 CPUs (any CPU when asked for):
+    K/V stored as float16 (rotary keys and values
     rounded to nearest, as torch's .half()), read back widened, by the fused step's prompt rows
     and decodes, narrow and wide, attended whole or in chunks merged; eager steps (prefill
     where the kernel takes no rows) read the same pool through torch. The exact 8-bit head
     (every row's logits float32 products) leaves precise steps a tolerance of 2^-11, which K/V
     1% off fail."""
     ck = q8_head_checkpoint()
-    engine = _engine("fused", checkpoint=ck, kv_cache_dtype="auto")
-    assert engine.kv_cache_dtype == "fp16" and engine.runner.kv_cache.dtype == torch.float16
+    engine = _engine("fused", checkpoint=ck, kv_cache_dtype="fp16")
+    assert engine.runner.kv_cache.dtype == torch.float16
     step = fd.FusedDecodeStep.create(engine.model, extension, attention_chunks=chunks)
     engine.runner.fused.step = step
     if wide:

@@ -46,7 +46,7 @@ MIB, GIB = 1 << 20, 1 << 30
 KV_DTYPE_CHOICES = (
     ("auto", "Automatic (the model's dtype; fp16 beside 4-bit decode)",
      "K and V kept in the model's own element type, except float16 when a float32 model decodes "
-     "on 4-bit weights (CPU): half the bytes, as llama.cpp keeps them"),
+     "on 4-bit weights on an AVX-512 bf16 CPU: half the bytes, as llama.cpp keeps them"),
     ("fp32", "fp32 (exact beside 4-bit decode)",
      "float32 K and V whatever the model's type (CPU): 4 bytes per value"),
     ("fp16", "fp16 (half the bytes of fp32)",

@@ -130,15 +130,22 @@ FLOAT_POOLS = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def resolve_kv_cache_dtype(
-    kv_cache_dtype: str, model_dtype: torch.dtype, decode_weights: str
+    kv_cache_dtype: str, model_dtype: torch.dtype, decode_weights: str, native_bf16: bool
 ) -> str:
     """The pool format an engine runs: "auto" is the model dtype, except float16 under a
-    float32 model decoding on 4-bit weights (the CPU int4 mode, whose products are already
-    approximate): llama.cpp's default KV type, half the bytes its wide decode steps read
-    (measured 1.2x a 64-row fused step at 100-token contexts, 1.8x at 1,000), and the parity
-    replies as identical to the dense model's as with float32 K/V (tests/test_int4_agreement.py).
+    float32 model decoding on 4-bit weights on an AVX512-BF16 CPU (``native_bf16``; the int4
+    mode's products are approximate anyway): llama.cpp's default KV type, half the bytes the
+    wide decode steps read (Zen 5: a 64-row fused step at 100-token contexts 0.81x the time,
+    at 1,000 0.57x), the parity replies as often the dense model's as with float32 K/V there
+    (tests/test_int4_agreement.py: narrow 8 of 8; 16-row steps 7 and 7 of 8). Not on AVX2-only
+    CPUs: the gain is smaller where the products bound the step (the AVX2 build on Zen 5: 0.92x
+    at 100-token contexts) and 16-row steps' replies were identical on 6 and 4 of 8 (float32
+    K/V: 7 and 6), all at near-ties but below the suite's claim.
     A float pool of the model's own dtype is "auto" (one name for one cache content)."""
-    if kv_cache_dtype == "auto" and model_dtype == torch.float32 and decode_weights == "int4":
+    if (
+        kv_cache_dtype == "auto" and model_dtype == torch.float32 and decode_weights == "int4"
+        and native_bf16
+    ):  # fmt: skip
         return "fp16"
     if FLOAT_POOLS.get(kv_cache_dtype) == model_dtype:
         return "auto"

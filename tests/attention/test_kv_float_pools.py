@@ -30,9 +30,14 @@ def fp16_transform(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return k.half().double(), v.half().double()
 
 
-def test_auto_is_fp16_beside_4bit_decode_under_float32_and_the_model_dtype_elsewhere():
-    r = resolve_kv_cache_dtype
-    assert r("auto", torch.float32, "int4") == "fp16"
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_auto_is_fp16_beside_4bit_decode_on_avx512_bf16_and_the_model_dtype_elsewhere(
+    native_bf16,
+):
+    def r(kv: str, dtype: torch.dtype, weights: str) -> str:
+        return resolve_kv_cache_dtype(kv, dtype, weights, native_bf16)
+
+    assert r("auto", torch.float32, "int4") == ("fp16" if native_bf16 else "auto")
     assert r("auto", torch.float32, "dense") == "auto"
     assert r("auto", torch.bfloat16, "dense") == "auto"
     # a float pool of the model's own type has one name
@@ -41,6 +46,18 @@ def test_auto_is_fp16_beside_4bit_decode_under_float32_and_the_model_dtype_elsew
     assert r("fp16", torch.float32, "dense") == "fp16"
     assert r("fp32", torch.bfloat16, "dense") == "fp32"
     assert r("int8", torch.float32, "int4") == "int8"
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_an_int4_engine_resolves_auto_by_the_cpu(native_bf16, monkeypatch):
+    from engine_proc.models import llama
+
+    monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: native_bf16)
+    engine = LLMEngine(EngineConfig(num_kv_blocks=16, decode_weights="int4"),
+                       checkpoint=tiny_checkpoint())  # fmt: skip
+    want = torch.float16 if native_bf16 else torch.float32
+    assert engine.runner.kv_cache.dtype == want
+    assert engine.model_info()["kv_cache_dtype"] == ("fp16" if native_bf16 else "auto")
 
 
 def test_an_fp16_pool_holds_float16_values_at_half_the_bytes():
