@@ -6,8 +6,10 @@ parts share (the link, the supervisor, the state, the histories) and links the c
 map. Each other concept has its own module, a collaborator holding a reference to the window:
 
 - ui/window_engine.py (`window.lifecycle`): `EngineSource`, spawning or attaching to the engine
-  (one `EngineLink` worker thread carries all ZeroMQ traffic), restart, *Decode weights* and
-  *KV cache*, the error banner when the engine fails or stops answering.
+  (one `EngineLink` worker thread carries all ZeroMQ traffic), restart, the error banner when the
+  engine fails or stops answering.
+- ui/window_options.py (`window.option_menus`): *Decode weights* and *KV cache*, the options the
+  engine starts with.
 - ui/window_remote.py (`window.remote`): `--connect http://HOST:PORT` or *Engine → Connect to
   server…*: vLLM, SGLang, llama.cpp's server or a KVScope front-end, through one `RemoteLink`
   worker thread (ui/remote_link.py). A KVScope server feeds the same block map and charts from its
@@ -66,6 +68,7 @@ from ui.status_bar import StatusBarView
 from ui.telemetry import History
 from ui.window_api import ApiToggle
 from ui.window_engine import EngineLifecycle, EngineSource
+from ui.window_options import EngineOptionMenus
 from ui.window_remote import RemoteWatch
 from ui.window_telemetry import TelemetryFeed
 
@@ -103,6 +106,7 @@ class MainWindow(QMainWindow):
         self.perf: dict[str, collections.deque[float]] = {
             k: collections.deque(maxlen=10_000) for k in ("refresh", "frames", "replies")}
         self.lifecycle = EngineLifecycle(self)
+        self.option_menus = EngineOptionMenus(self)
         self.remote = RemoteWatch(self)
         self._chat_aliases = self.remote.aliases  # chat request id -> its HTTP response id
         self.api_toggle = ApiToggle(self)
@@ -238,8 +242,8 @@ class MainWindow(QMainWindow):
         menu.addAction(local)
         menu.addSeparator()
         self.decode_weights_menu, self.decode_weight_actions = (
-            self.lifecycle.add_decode_weights_menu(menu))
-        self.kv_cache_menu, self.kv_cache_actions = self.lifecycle.add_kv_cache_menu(menu)
+            self.option_menus.add_decode_weights_menu(menu))
+        self.kv_cache_menu, self.kv_cache_actions = self.option_menus.add_kv_cache_menu(menu)
         menu.addSeparator()
         api = self.api_action = QAction("Serve &OpenAI API…", self, checkable=True)
         api.triggered.connect(self.api_toggle.on_triggered)
@@ -284,20 +288,20 @@ class MainWindow(QMainWindow):
     def set_decode_weights(self, value: str) -> None:
         """Remember the choice and restart a spawned engine with it (an attached engine keeps
         whatever it was started with)."""
-        self.lifecycle.set_decode_weights(value)
+        self.option_menus.set_decode_weights(value)
 
     def set_kv_cache_dtype(self, value: str) -> None:
         """*Engine → KV cache → Element type*: "auto", a float type ("fp32", "fp16") or a
         quantised one ("int8", "fp8")."""
-        self.lifecycle.set_kv_cache_dtype(value)
+        self.option_menus.set_kv_cache_dtype(value)
 
     def set_kv_host_memory(self, nbytes: int) -> None:
         """*Engine → KV cache → Host memory tier*: bytes, 0 = off."""
-        self.lifecycle.set_kv_host_memory(nbytes)
+        self.option_menus.set_kv_host_memory(nbytes)
 
     def set_kv_disk_bytes(self, nbytes: int) -> None:
         """*Engine → KV cache → Disk tier*: bytes in <data dir>/kv-cache, 0 = off."""
-        self.lifecycle.set_kv_disk_bytes(nbytes)
+        self.option_menus.set_kv_disk_bytes(nbytes)
 
     def _confirm_restart(self, in_flight: int, what: str = "the decode weights") -> bool:
         answer = QMessageBox.question(
