@@ -322,6 +322,9 @@ def _streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
                       for s in by.values() if s.get("decode_weights")})
     steps = {s.get("decode_step") for w, by in summary.items() if w.startswith("streams-")
              for s in by.values()}  # fmt: skip
+    kv_types = sorted({s["kv_cache_dtype"] for w, by in summary.items()
+                       if w.startswith("streams-") for s in by.values() if s.get("kv_cache_dtype")})
+    kv = f", KV cache {'/'.join(kv_types)}" if kv_types else ""
     used = "/".join(weights) if weights else "not measured"
     if "int4" in weights and "fused" in steps:  # engine_proc/fused_decode.py
         used += (" with the fused C++ decode step (every decode step, up to 64 rows per call; "
@@ -333,7 +336,7 @@ def _streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
             f"prompts, {sizes.streams_new} new tokens each (EOS ignored); decode tok/s = tokens "
             f"after each stream's first / (last token - first first token), all streams "
             f"together; kvscope decode weights {STREAMS_DECODE_WEIGHTS} (the app's CPU default) "
-            f"-> {used}; llama.cpp: batched llama_decode, one KV stream per sequence; "
+            f"-> {used}{kv}; llama.cpp: batched llama_decode, one KV stream per sequence; "
             f"transformers: one static batch of N")
 
 

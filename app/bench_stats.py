@@ -136,9 +136,10 @@ def summarize_workload(name: str, runs: list[dict], workload: dict) -> dict:
         s["streams"] = len(workload["requests"])
         s["decode_tok_s"] = median_of([{"v": decode_throughput(r)} for r in ok], "v")
         # Which weights kvscope decoded with (the workload asks for its CPU default, `auto`).
-        weights = {(r.get("model_info") or {}).get("decode_weights") for r in ok} - {None}
-        if weights:
-            s["decode_weights"] = ",".join(sorted(weights))
+        for key in ("decode_weights", "kv_cache_dtype"):  # and the KV type it resolved to
+            values = {(r.get("model_info") or {}).get(key) for r in ok} - {None}
+            if values:
+                s[key] = ",".join(sorted(values))
         steps = {r.get("decode_step") for r in ok} - {None}
         if steps:
             s["decode_step"] = ",".join(sorted(steps))

@@ -64,7 +64,7 @@ def test_streams_decode_throughput_by_hand() -> None:
                          "e2e": 2.0, "itl": [0.25] * 4},
                         {"token_times": [1.2, 1.45, 1.7, 1.95, 2.2], "ttft": 1.2, "tpot": 0.25,
                          "e2e": 2.2, "itl": [0.25] * 4}],
-           "model_info": {"decode_weights": "int4"}}
+           "model_info": {"decode_weights": "int4", "kv_cache_dtype": "fp16"}}
     assert decode_throughput(run) == pytest.approx(8 / 1.2)
     one = {"requests": [run["requests"][0]]}
     assert decode_throughput(one) == pytest.approx(1 / 0.25)  # one stream: 1 / TPOT
@@ -75,7 +75,7 @@ def test_streams_decode_throughput_by_hand() -> None:
                            {"requests": [{}, {}]})
     assert s["streams"] == 2 and s["runs"] == 2
     assert s["decode_tok_s"] == pytest.approx((8 / 1.2 + 8 / 2.4) / 2)  # median of two
-    assert s["decode_weights"] == "int4"
+    assert s["decode_weights"] == "int4" and s["kv_cache_dtype"] == "fp16"
 
 
 def test_ideal_paged_occupancy_by_hand() -> None:

@@ -118,6 +118,7 @@ inline float dot(const float* a, const T* b, int64_t n) {
   }
 #endif
   float s = 0.f;
+#pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
@@ -182,8 +183,9 @@ inline void softmax_states(float* scores, int64_t heads, int64_t n, Partial* par
 // Attention of all heads of one row over the blocks [b0, b1) of its table (keys up to seq_len):
 // per head, max, sum and the unnormalised output into acc [heads, d].
 template <typename T>
-void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len, int64_t b0,
-                         int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
+void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T* v_cache,
+                  const int32_t* table, int64_t seq_len, int64_t b0, int64_t b1, Partial* part,
+                  float* acc, std::vector<float>& scores_buf) {
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads, bs = s.block_size;
   const int64_t slot_stride = s.kv_heads * d;  // elements per cache slot
   const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
@@ -208,8 +210,9 @@ void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T*
 // registers while its values do (the generic version reloads and stores every head's
 // accumulator for every key).
 template <typename T, int V, int G>
-void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len, int64_t b0,
-                       int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
+void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, const T* v_cache,
+                       const int32_t* table, int64_t seq_len, int64_t b0, int64_t b1,
+                       Partial* part, float* acc, std::vector<float>& scores_buf) {
   constexpr int64_t d = 16 * V;
   const int64_t bs = s.block_size, slot_stride = s.kv_heads * d;
   const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
@@ -282,6 +285,19 @@ AttendChunk<T> pick_attend_chunk(const StepShape& s) {
   return attend_chunk<T>;
 }
 
+constexpr int64_t kMaxHeadDim = 512;  // the float16 key's rotation goes through a stack row
+
+// The rotated key x into its cache slot: in place for float32, rounded from a row for float16.
+inline void rope_store(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  rope(x, cos, sin, d, out);
+}
+inline void rope_store(const float* x, const float* cos, const float* sin, int64_t d,
+                       at::Half* out) {
+  float row[kMaxHeadDim];
+  rope(x, cos, sin, d, row);
+  store_row(row, out, d);
+}
+
 // Rotary on the row's query heads and keys; the new K/V written at its slot (if any).
 template <typename T>
 void rope_and_write(const StepShape& s, const float* qkv_row, const float* cos, const float* sin,
@@ -289,12 +305,10 @@ void rope_and_write(const StepShape& s, const float* qkv_row, const float* cos, 
   const int64_t d = s.head_dim, slot_stride = s.kv_heads * d;
   for (int64_t h = 0; h < s.heads; ++h) rope(qkv_row + h * d, cos, sin, d, q + h * d);
   if (slot < 0) return;
-  std::vector<float> key(d);
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const float* k_in = qkv_row + (s.heads + kvh) * d;
     const float* v_in = qkv_row + (s.heads + s.kv_heads + kvh) * d;
-    rope(k_in, cos, sin, d, key.data());
-    store_row(key.data(), k_cache + slot * slot_stride + kvh * d, d);
+    rope_store(k_in, cos, sin, d, k_cache + slot * slot_stride + kvh * d);
     store_row(v_in, v_cache + slot * slot_stride + kvh * d, d);
   }
 }

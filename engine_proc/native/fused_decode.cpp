@@ -69,6 +69,7 @@ class FusedDecoder {
                               {t[12], t[13], t[14], t[15], t[16]}, {t[17], t[18], t[19], t[20], t[21]}});
     }
     TORCH_CHECK(cos_.is_contiguous() && cos_.scalar_type() == at::kFloat, "cos: float32");
+    TORCH_CHECK(head_dim_ <= kMaxHeadDim, "head_dim up to ", kMaxHeadDim, ", got ", head_dim_);
   }
 
   // token ids [rows] -> final-norm hidden states [rows, hidden], float32. precise: the 4-bit
