@@ -262,8 +262,11 @@ def test_the_load_generator_drives_the_server(open_window, qtbot):
         body = fake.chat_bodies[0]
         assert body["messages"][0]["role"] == "system" and body["ignore_eos"] is True
         assert 4 <= body["max_tokens"] <= 6
+        stopped: list[dict] = []  # the link's stats once it has processed the stop
+        win.link.load_stats.connect(lambda s: s.get("running") is False and stopped.append(s))
         lp.button.click()  # stop: what is in flight is closed
-        qtbot.waitUntil(lambda: fake.streams_open == 0, timeout=20_000)
+        # (streams_open alone can read 0 between requests, before the link saw the stop)
+        qtbot.waitUntil(lambda: bool(stopped) and fake.streams_open == 0, timeout=20_000)
         n = len(fake.chat_bodies)
         qtbot.wait(500)
         assert len(fake.chat_bodies) == n  # and nothing new is sent
