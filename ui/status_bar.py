@@ -17,7 +17,6 @@ STATE_COLOURS = {
     "starting": "#8a909c", "loading": "#f5a623", "ready": "#3cb44b", "busy": "#42d4f4",
     "not answering": "#f58231", "disconnected": "#e6194b", "stopped": "#8a909c",
 }
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "fp8": 1, "int8": 1}
 # An int8 KV cache keeps a float16 scale per token, layer, K/V and KV head beside the int8 values
 # (engine_proc/attention/kv_quant.py kv_int8_bytes_per_token).
 INT8_SCALE_BYTES = 2
@@ -27,7 +26,6 @@ KV_DTYPE_TIPS = {
     "fp16": "float16 K/V: 2 bytes per value (the model computes in its own type)",
     "fp32": "float32 K/V: 4 bytes per value (the model computes in its own type)",
 }
-FLOAT_KV_BYTES = {"fp32": 4, "fp16": 2}  # a float pool of another type than the model's
 
 
 def human_bytes(n: float) -> str:
@@ -57,9 +55,9 @@ def kv_formula(model: object) -> str:
                 f"{model.kv_bytes_per_token:,} B")
     if getattr(model, "kv_cache_dtype", "auto") == "fp8":  # per-layer scales: not per token
         return f"KV/token fp8 2·L·H_kv·D·1 = 2·{L}·{H}·{D}·1 = {model.kv_bytes_per_token:,} B"
-    b = FLOAT_KV_BYTES.get(getattr(model, "kv_cache_dtype", "auto")) or DTYPE_BYTES.get(
-        str(model.dtype).replace("torch.", ""))
-    if b is None:
+    # bytes per value of the pool (the model's dtype, or a float pool of another type)
+    b, rest = divmod(model.kv_bytes_per_token, 2 * L * H * D) if L * H * D else (0, 1)
+    if rest or not b:
         return f"KV/token {model.kv_bytes_per_token:,} B"
     return f"KV/token 2·L·H_kv·D·bytes = 2·{L}·{H}·{D}·{b} = {model.kv_bytes_per_token:,} B"
 
