@@ -28,7 +28,7 @@ from typing import Any
 
 from app.supervisor import DECODE_WEIGHTS, DTYPES, KV_CACHE_DTYPES, KV_DISK_SUBDIR
 
-SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench", "serve": "app.api.serve"}
+SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench.suite", "serve": "app.api.serve"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +146,7 @@ def run_gui(args: argparse.Namespace) -> int:
     from app.conversations import ConversationStore
     from app.settings import APP, ORG, data_dir, open_settings
     from ui import theme
-    from ui.main_window import EngineSource, MainWindow
+    from ui.window.main_window import EngineSource, MainWindow
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setOrganizationName(ORG)
@@ -281,7 +281,7 @@ def _start_load(win, n: int, max_tokens: int = 96) -> None:
 
 
 def _screenshot(app, win, out: Path, args) -> int:
-    from ui.main_window import wait_until
+    from ui.window.main_window import wait_until
 
     try:
         if not wait_until(
@@ -316,7 +316,7 @@ def _screenshot(app, win, out: Path, args) -> int:
 
 def _measure(app, win, args) -> int:
     from ui.latency import LatencyProbe
-    from ui.main_window import wait_until
+    from ui.window.main_window import wait_until
 
     try:
         if not wait_until(lambda: win.state in ("ready", "busy"), args.timeout, app):

@@ -9,7 +9,7 @@ __all__ = ["EngineConfig", "LLMEngine", "RequestMetrics", "RequestOutput", "Samp
 
 def __getattr__(name: str):  # torch loads only when the engine itself is asked for
     if name == "LLMEngine":
-        from engine_proc.engine import LLMEngine
+        from engine_proc.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(name)

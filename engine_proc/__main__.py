@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     serve = sub.add_parser("serve", help="run the engine process (ZeroMQ server)")
     try:
-        from engine_proc import serve_cli as server
+        from engine_proc.server import cli as server
     except ImportError as exc:  # keep `generate` usable if the server cannot load
         server = None
         serve.set_defaults(_server_error=str(exc))

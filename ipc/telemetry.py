@@ -59,7 +59,7 @@ BLOCK_DTYPES: dict[str, str] = {
 
 
 class RequestState(msgspec.Struct, kw_only=True):
-    """Mirror of engine_proc.telemetry_types.RequestSnapshot."""
+    """Mirror of engine_proc.engine.telemetry_types.RequestSnapshot."""
 
     request_id: str
     status: str  # waiting | running | preempted | finished

@@ -28,7 +28,7 @@ def default_checkpoint():
     """The default SmolLM2 model in float32, loaded once for every test that needs it."""
     import torch
 
-    from engine_proc.model_loader import load_checkpoint
+    from engine_proc.loading.loader import load_checkpoint
 
     return load_checkpoint(None, torch.float32)
 
@@ -50,7 +50,7 @@ def hf_default_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine_proc.model_loader import default_model_path
+    from engine_proc.loading.loader import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(
@@ -68,10 +68,10 @@ def hf_greedy(hf_default_model):
 
 @pytest.fixture(scope="session")
 def parity_references(default_engine_factory, hf_greedy):
-    """tests/test_hf_parity.py's prompts as token ids, with transformers' greedy replies to them
+    """tests/engine_proc/engine/test_hf_parity.py's prompts as token ids, with transformers' greedy replies to them
     (PARITY_TOKENS tokens at most, ending at EOS): computed once, for every test comparing the
     default model's replies with the dense reference."""
-    from tests.test_hf_parity import PARITY_TOKENS, PROMPTS
+    from tests.engine_proc.engine.test_hf_parity import PARITY_TOKENS, PROMPTS
 
     engine = default_engine_factory(dtype="float32")
     ids = [engine.tokenize(p) for p in PROMPTS]
@@ -102,7 +102,7 @@ def tiny_dir():
 def server(tiny_dir):
     """One `python -m app serve` process for the HTTP tests (tests/api, tests/remote): the tiny
     model, dense float32 weights, an API key, a served model name."""
-    from tests.api.helpers import API_KEY, MODEL, NUM_BLOCKS, ServeProc
+    from tests.app.api.helpers import API_KEY, MODEL, NUM_BLOCKS, ServeProc
 
     proc = ServeProc(
         [
@@ -121,7 +121,7 @@ def server(tiny_dir):
 def sdk(server):
     import openai
 
-    from tests.api.helpers import API_KEY
+    from tests.app.api.helpers import API_KEY
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
@@ -130,7 +130,7 @@ def sdk(server):
 def async_sdk(server):
     import openai
 
-    from tests.api.helpers import API_KEY
+    from tests.app.api.helpers import API_KEY
 
     return openai.AsyncOpenAI(
         base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
@@ -140,7 +140,7 @@ def async_sdk(server):
 @pytest.fixture(scope="module")
 def extension():
     """The fused decode step's compiled extension (built once into the suite's cache dir)."""
-    from engine_proc import fused_build
+    from engine_proc.executor import fused_build
 
     why = fused_build.build_unavailable_reason()
     if why is not None:  # like the CUDA tests: this machine cannot build it (the engine says so)

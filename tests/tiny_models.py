@@ -55,7 +55,7 @@ def tiny_tokenizer_dir() -> Path:
     if "tokenizer" not in _cache:
         from transformers import PreTrainedTokenizerFast
 
-        from engine_proc.model_loader import default_model_path
+        from engine_proc.loading.loader import default_model_path
 
         gguf_path = default_model_path()
         tokenizer = PreTrainedTokenizerFast.from_pretrained(

@@ -1,7 +1,7 @@
 """The GUI's view of engine telemetry: one `Frame` per snapshot, and `History` of them for charts.
 
 No Qt and no engine_proc here. `Frame.from_wire` accepts whatever the protocol layer decoded
-(msgspec Structs, dataclasses or plain dicts with the fields of engine_proc/telemetry_types.py),
+(msgspec Structs, dataclasses or plain dicts with the fields of engine_proc/engine/telemetry_types.py),
 so the widgets depend only on this module. `History` turns the stream of frames into the
 ring-buffered series the charts draw.
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from app.load_generator import ID_PREFIX as LOAD_ID_PREFIX
 
-# Block states, as on the wire (engine_proc/telemetry_types.py; duplicated because ui/ must
+# Block states, as on the wire (engine_proc/engine/telemetry_types.py; duplicated because ui/ must
 # not import engine_proc)
 BLOCK_EMPTY = 0
 BLOCK_CACHED = 1

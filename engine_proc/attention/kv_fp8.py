@@ -15,7 +15,7 @@ costs e4m3 almost nothing: its steps are relative (3 mantissa bits) down to 2**-
 Writes quantise ``clamp(x / scale, -448, 448)`` to e4m3 (round half to even, torch's cast);
 reads dequantise only the blocks a step gathers, as the int8 format does (kv_quant.py).
 
-Accuracy (``python -m engine_proc.kv_quant_eval --kv-cache-dtype fp8``, default model, 2048
+Accuracy (``python -m engine_proc.bench.kv_quant_eval --kv-cache-dtype fp8``, default model, 2048
 positions): mean KL divergence 1.15e-2 against the float32 cache, p99 9.0e-2, perplexity +1.5%,
 top-1 agreement 93.6%; int8 measures 7.1e-4 / 4.4e-3 / +0.055%. Three mantissa bits round each
 value by up to 6.25% (int8 per token: about 0.4% of the row's largest), and KL divergence grows

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from engine_proc.engine.telemetry_types import BlockSnapshot, EngineSnapshot, RequestSnapshot
 from engine_proc.outputs import RequestMetrics, RequestOutput
 from engine_proc.sampling_params import SamplingParams
-from engine_proc.telemetry_types import BlockSnapshot, EngineSnapshot, RequestSnapshot
 from ipc import protocol as P
 
 BLOCK = 4

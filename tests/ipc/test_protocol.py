@@ -510,7 +510,7 @@ def test_app_chat_and_ipc_do_not_load_torch_or_the_engine() -> None:
 
 def test_gui_and_app_entry_points_do_not_load_torch_or_the_engine() -> None:
     code = (
-        "import sys, app.__main__, app.bench, app.supervisor, ui.main_window, ui.demo\n"
+        "import sys, app.__main__, app.bench.suite, app.supervisor, ui.window.main_window, ui.engine.demo\n"
         "banned = ('torch', 'triton', 'engine_proc', 'transformers')\n"
         "bad = [m for m in banned if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.helpers import REPO, ServeProc, health, wait_for
+from tests.app.api.helpers import REPO, ServeProc, health, wait_for
 
 pytestmark = pytest.mark.slow
 

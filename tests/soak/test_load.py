@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.helpers import ServeProc
+from tests.app.api.helpers import ServeProc
 from tests.soak.procs import proc_stats
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ipc import protocol as P
-from ui.synthetic import SyntheticEngine
+from ui.engine.synthetic import SyntheticEngine
 from ui.telemetry import BLOCK_CACHED, BLOCK_IN_USE, Frame, History
 
 

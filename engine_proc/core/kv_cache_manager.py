@@ -1,0 +1,220 @@
+"""Per-sequence KV policy over the block pool: block tables, prefix matching, allocation with
+copy-on-write for forked sequences, and hashing of blocks as they fill."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import TYPE_CHECKING
+
+from engine_proc.core.block_pool import BlockPool, KVBlock
+from engine_proc.core.request import Sequence
+
+if TYPE_CHECKING:
+    from engine_proc.kv_store.tiers import KVTiers
+
+
+def root_hash(model_id: str, cache_salt: str | None) -> bytes:
+    """Every input that changes K/V besides the tokens themselves, each tagged by its type."""
+    h = hashlib.sha256(b"kvscope-prefix-v1\0model\0")
+    h.update(model_id.encode())
+    if cache_salt is not None:
+        h.update(b"\0cache_salt\0")
+        h.update(cache_salt.encode())
+    return h.digest()
+
+
+def block_hash(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    # sha256 of fixed-width token ids: stable across processes and PYTHONHASHSEED.
+    return hashlib.sha256(parent_hash + array("i", token_ids).tobytes()).digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tiers: KVTiers | None = None  # lower KV tiers (host, disk); see attach_tiers
+        self.pending_stores: list[tuple[int, bytes]] = []  # write-through, after the step runs
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Evicted cached blocks are written down into `tiers`, and prefix lookups continue
+        there after the pool (engine_proc/kv_store/tiers.py)."""
+        self.tiers = tiers
+        self.pool.on_evict = lambda block: tiers.store(block.block_hash, block.block_id)
+        tiers.link_of = lambda block_id: self.pool.blocks[block_id].link  # for the KV events
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hashes of the first num_blocks blocks of seq (all must be full of known tokens)."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else seq.root_hash
+            hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """Longest chain of cached blocks matching seq's tokens. Leaves at least the last token
+        to compute: the sampler needs its logits."""
+        if not self.enable_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hit: list[KVBlock] = []
+        hashes = self.full_block_hashes(seq, max_blocks)
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hit.append(block)
+        if self.tiers is not None and len(hit) < max_blocks:
+            hit = self._load_from_tiers(seq, hashes, hit)
+        return hit
+
+    def _load_from_tiers(
+        self, seq: Sequence, hashes: list[bytes], hit: list[KVBlock]
+    ) -> list[KVBlock]:
+        """Continue the prefix walk below the pool: each next block comes from the pool if it
+        holds it, else from the host or disk tier into a newly allocated pool block (a
+        synchronous copy, inside the scheduler step). Every block of the walk stays pinned
+        (referenced) until the walk ends, so loading never evicts the prefix it extends; the
+        loaded blocks end as ordinary cached blocks at the LRU tail."""
+        assert self.tiers is not None
+        pool = self.pool
+        for block in hit:
+            pool.touch(block)
+        try:
+            for h in hashes[len(hit) :]:
+                block = pool.lookup(h)
+                if block is not None:
+                    pool.touch(block)
+                    hit.append(block)
+                    continue
+                if pool.num_free == 0 or not self.tiers.contains(h):
+                    break
+                block = pool.allocate()  # may evict (and write down) the pool's LRU block
+                if self.tiers.load(h, block.block_id) is None:  # corrupt entry: a miss
+                    pool.free(block)
+                    break
+                i = len(hit)
+                pool.cache(
+                    block,
+                    h,
+                    hit[-1].block_id if hit else -1,
+                    hashes[i - 1] if i else None,
+                    tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]),
+                )
+                assert block.block_hash == h
+                hit.append(block)
+                seq.num_external_cached_tokens += self.block_size
+        finally:
+            for block in reversed(hit):  # the tail is freed first, so it is evicted first
+                pool.free(block)
+        return hit
+
+    def count_external(self, seq: Sequence, num_cached: int) -> None:
+        """At admission: tokens the lower tiers were asked for (those the pool lacked) and
+        tokens they served (vLLM's external_prefix_cache_queries / _hits)."""
+        if self.tiers is None or not self.enable_caching:
+            return
+        external = min(seq.num_external_cached_tokens, num_cached)
+        self.tiers.queries += seq.num_tokens - (num_cached - external)
+        self.tiers.hit_tokens += external
+        seq.num_external_cached_tokens = 0
+
+    def flush_pending_stores(self) -> None:
+        """Write-through: store the blocks filled by the step that just ran."""
+        pending, self.pending_stores = self.pending_stores, []
+        if self.tiers is None:
+            return
+        for block_id, h in pending:
+            if self.pool.blocks[block_id].block_hash == h:
+                self.tiers.store(h, block_id)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> int:
+        """Free blocks that allocate() would consume, including revived cached ones."""
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        total = self.num_blocks_for(computed + num_new_tokens)
+        have = len(seq.block_table) + len(cached)
+        revived = sum(1 for b in cached if b.ref_count == 0)
+        return max(0, total - have) + revived + int(self._needs_copy(seq))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> bool:
+        return self.blocks_needed(seq, num_new_tokens, cached) <= self.pool.num_free
+
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]
+    ) -> list[tuple[int, int]]:
+        """Give seq the blocks for its next num_new_tokens tokens; returns (src, dst) block
+        copies the runner must do before writing (copy-on-write of a shared partial block)."""
+        assert self.can_allocate(seq, num_new_tokens, cached)
+        pool = self.pool
+        for block in cached:  # before any allocation, which could evict them
+            pool.touch(block)
+            seq.block_table.append(block.block_id)
+        seq.num_computed_tokens += len(cached) * self.block_size
+        copies: list[tuple[int, int]] = []
+        if self._needs_copy(seq):
+            i = seq.num_computed_tokens // self.block_size
+            old = pool.blocks[seq.block_table[i]]
+            new = pool.allocate()
+            copies.append((old.block_id, new.block_id))
+            pool.free(old)
+            seq.block_table[i] = new.block_id
+        end = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) < self.num_blocks_for(end):
+            seq.block_table.append(pool.allocate().block_id)
+        self._cache_full_blocks(
+            seq, seq.num_computed_tokens // self.block_size, end // self.block_size
+        )
+        return copies
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        # Only a forked sequence can write into a block someone else references: prefix hits
+        # are whole blocks that are never written again.
+        i = seq.num_computed_tokens // self.block_size
+        if i >= len(seq.block_table) or seq.num_computed_tokens % self.block_size == 0:
+            return False
+        return self.pool.blocks[seq.block_table[i]].ref_count > 1
+
+    def _cache_full_blocks(self, seq: Sequence, first: int, num_full: int) -> None:
+        # Blocks are indexed when scheduled to be filled: the forward pass writes every layer's
+        # K/V before any attention reads it, so a request scheduled later in the same step
+        # can already share them.
+        if not self.enable_caching or first >= num_full:  # no block filled up this step
+            return
+        hashes = self.full_block_hashes(seq, num_full)
+        write_through = self.tiers is not None and self.tiers.write_through
+        bs = self.block_size
+        for i in range(first, num_full):
+            h = hashes[i]
+            parent = seq.block_table[i - 1] if i else -1
+            block = self.pool.blocks[seq.block_table[i]]
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache(block, h, parent, hashes[i - 1] if i else None, tokens)
+            if write_through and block.block_hash == h:
+                self.pending_stores.append((block.block_id, h))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for block_id in parent.block_table:
+            self.pool.touch(self.pool.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence, keep_hashes_below: int | None = None) -> None:
+        """Release seq's blocks, tail first so the tail is evicted first. Blocks from index
+        keep_hashes_below on lose their hash (their K/V was never written: a failed step)."""
+        for i in range(len(seq.block_table) - 1, -1, -1):
+            block = self.pool.blocks[seq.block_table[i]]
+            if keep_hashes_below is not None and i >= keep_hashes_below and block.ref_count == 1:
+                self.pool.uncache(block)
+            self.pool.free(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0

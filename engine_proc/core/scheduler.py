@@ -1,0 +1,150 @@
+"""Token-budget scheduler without prefill or decode phases (the vLLM v1 idea): every sequence has
+computed and total tokens, and each step hands out at most max_num_batched_tokens of work,
+running sequences first, then waiting ones in arrival order. Long prompts are chunked; when
+blocks run out the most recently started sequence is preempted and recomputed later."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_proc.config import check_limits
+from engine_proc.core.kv_cache_manager import KVCacheManager
+from engine_proc.core.request import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_chunk: int  # 0 = no per-prompt cap below the token budget
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, limits: SchedulerLimits) -> None:
+        self.kv = kv
+        self.limits = limits
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+
+    def set_limits(self, **changes: int | None) -> None:
+        new = {k: v for k, v in changes.items() if v is not None}
+        merged = dataclasses.asdict(self.limits) | new
+        check_limits(**merged)
+        self.limits = SchedulerLimits(**merged)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A sequence forked from a running parent: it runs from the next step on."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.limits.max_num_batched_tokens
+        while len(self.running) > self.limits.max_num_seqs:  # the cap was lowered live
+            self._preempt(self.running.pop(), batch)
+        budget = self._schedule_running(batch, budget)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        assert batch.num_tokens <= self.limits.max_num_batched_tokens
+        assert len(batch.seqs) <= self.limits.max_num_seqs
+        return batch
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        cap = self.limits.long_prefill_chunk or remaining
+        return min(remaining, cap, budget)
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.can_allocate(seq, n, []):
+                victim = self.running.pop()
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                self._add_to_batch(batch, seq, n, self.kv.allocate(seq, n, []))
+                budget -= n
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            # A request that will fork into n sequences reserves their places at admission,
+            # unless nothing runs (so a large n can never starve).
+            if self.running and len(self.running) + seq.num_forks > self.limits.max_num_seqs:
+                break
+            cached = self.kv.find_cached_prefix(seq)
+            num_cached = len(cached) * self.kv.block_size
+            n = self._chunk(seq.num_tokens - num_cached, budget)
+            if not self.kv.can_allocate(seq, n, cached):
+                break
+            self.waiting.popleft()
+            if self.kv.enable_caching:
+                batch.prefix_cache_queries += seq.num_tokens
+                batch.prefix_cache_hits += num_cached
+            seq.num_cached_tokens = num_cached
+            self.kv.count_external(seq, num_cached)
+            copies = self.kv.allocate(seq, n, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, n, copies)
+            budget -= n
+
+    def _add_to_batch(
+        self, batch: ScheduledBatch, seq: Sequence, n: int, copies: list[tuple[int, int]]
+    ) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        batch.block_copies.extend(copies)
+        if seq.is_prefilling:
+            batch.num_prefill_tokens += n
+        else:
+            batch.num_decode_tokens += n
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        # Recompute, not swap: blocks go back to the pool with their hashes, so the sequence
+        # usually hits its own blocks when it is admitted again.
+        if seq in batch.seqs:
+            raise AssertionError("preempting a sequence already scheduled this step")
+        self.kv.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def remove(self, seq: Sequence, keep_hashes_below: int | None = None) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks (hashes of
+        blocks from `keep_hashes_below` on are dropped: their K/V was never written)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.kv.free(seq, keep_hashes_below=keep_hashes_below)

@@ -1,0 +1,383 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
+
+Its other concepts live beside it, as mixins over the state built here: tokenization
+(engine_tokens.py), step outputs (engine_outputs.py), live control and state (engine_control.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
+
+import torch
+
+from engine_proc.attention import select_backend
+from engine_proc.attention.kv_fp8 import calibrate_fp8_scales, calibration_token_ids
+from engine_proc.attention.kv_quant import SCALE_DTYPE as KV_SCALE_DTYPE
+from engine_proc.attention.kv_quant import kv_bytes_per_token, resolve_kv_cache_dtype
+from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
+from engine_proc.config import EngineConfig
+from engine_proc.core.kv_cache_manager import KVCacheManager, root_hash
+from engine_proc.core.request import Sequence
+from engine_proc.core.scheduler import Scheduler, SchedulerLimits
+from engine_proc.detokenizer import IncrementalDetokenizer
+from engine_proc.engine.control import LiveControl
+from engine_proc.engine.metrics import RequestHistograms
+from engine_proc.engine.step_outputs import StepOutputs
+from engine_proc.engine.telemetry import EngineStats
+from engine_proc.engine.telemetry_types import StepStats
+from engine_proc.engine.tokens import Prompt, Tokenization
+from engine_proc.executor.model_runner import ModelRunner
+from engine_proc.kv_store.entry import BlockLayout
+from engine_proc.kv_store.tiers import KVTiers, model_fingerprint
+from engine_proc.kv_transfer.transfer import KVTransfer, KVTransferRequest
+from engine_proc.loading.loader import Checkpoint, load_checkpoint
+from engine_proc.models.config import ModelConfig
+from engine_proc.models.llama import LlamaModel, int4_unsupported_reason
+from engine_proc.outputs import RequestMetrics, RequestOutput
+from engine_proc.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine(Tokenization, StepOutputs, LiveControl):
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: Callable[[float, str], None] | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = time.monotonic
+        self.device = _resolve_device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        ckpt = checkpoint or load_checkpoint(config.model, self.dtype, progress)
+        self.checkpoint_name = ckpt.display_name
+        self.model_config = mc = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.model_id = f"{ckpt.model_id}|{config.dtype}"
+        ckpt_model_id = ckpt.model_id
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.decode_weights = _resolve_decode_weights(config.decode_weights, mc, self.device)
+        self.model = LlamaModel(
+            mc, ckpt.weights, self.dtype, self.device, self.max_model_len, self.decode_weights
+        )
+        del ckpt
+        self.kv_cache_dtype = kv_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, self.decode_weights, self.model.native_bf16
+        )
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            kv_dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+        )
+        self.block_size = config.block_size
+        self.block_bytes = self.kv_bytes_per_token * self.block_size
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // self.block_bytes)
+        kv_cache = torch.zeros(
+            (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+            dtype=kv_pool_dtype(kv_dtype, self.dtype),
+            device=self.device,
+        )
+        kv_scales = None  # int8: a float16 scale per token, layer, K/V and KV head
+        if kv_dtype == "int8":
+            kv_scales = torch.ones(kv_cache.shape[:-1], dtype=KV_SCALE_DTYPE, device=self.device)
+        kv_layer_scales = None  # fp8: one scale per layer for K and V, from a fixed prompt
+        if kv_dtype == "fp8":
+            if progress is not None:
+                progress(0.98, "calibrating the fp8 KV cache's scales")
+            ids = calibration_token_ids(self.tokenizer)[: self.max_model_len]
+            kv_layer_scales = calibrate_fp8_scales(self.model, ids, self.block_size)
+        logger.info(
+            "KV cache %s: %d B/token (2 x %d layers x %d kv heads x %d dim, %s); pool %d blocks "
+            "x %d tokens = %.1f MiB",
+            kv_dtype,
+            self.kv_bytes_per_token,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            {"int8": "1 B + a 2 B scale per head", "fp8": "1 B", "fp16": "2 B", "fp32": "4 B"}.get(
+                kv_dtype, f"{self.dtype.itemsize} B"
+            ),
+            num_blocks,
+            self.block_size,
+            kv_cache.nbytes / 2**20,
+        )
+        self.num_blocks = num_blocks
+        self.backend = select_backend(config.attention_backend, self.device, kv_dtype)
+        self.runner = ModelRunner(
+            self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,
+            decode_step=config.decode_step,
+        )  # fmt: skip
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
+            self._capture_decode_graphs(progress)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        # The root of every prefix-hash chain: all that changes K/V contents besides the tokens
+        # (deterministic across processes, so disk entries are found again after a restart).
+        self.cache_identity = (
+            f"{self.model_id}|rev={model_fingerprint(ckpt_model_id)}|kv_dtype={self.kv_cache_dtype}"
+            f"|block_size={self.block_size}"
+        )
+        if kv_layer_scales is not None:  # fp8 codes mean nothing without their scales
+            digest = hashlib.sha256(kv_layer_scales.detach().cpu().float().numpy().tobytes())
+            self.cache_identity += f"|fp8_scales={digest.hexdigest()[:16]}"
+        if config.kv_host_memory or config.kv_disk_dir is not None:
+            self.kv.attach_tiers(
+                KVTiers(
+                    kv_cache,
+                    root_hash(self.cache_identity, None),
+                    host_bytes=config.kv_host_memory,
+                    disk_dir=config.kv_disk_dir,
+                    disk_bytes=config.kv_disk_bytes,
+                    write_through=config.kv_tier_policy == "write_through",
+                    kv_scales=kv_scales,  # a tier entry carries the block's scales too
+                )
+            )
+        # Prefill/decode disaggregation: leases and adoption of pulled blocks.
+        self.transfer = KVTransfer(
+            self.kv, BlockLayout([kv_cache] + ([kv_scales] if kv_scales is not None else []))
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            SchedulerLimits(
+                config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk
+            ),
+        )
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.stats = EngineStats()
+        self.histograms = RequestHistograms.create(self.max_model_len)
+        self._seed_rng = random.Random(config.seed)
+        logger.info(
+            "engine ready: %s on %s (%s), attention backend %s",
+            self.checkpoint_name,
+            self.device,
+            config.dtype,
+            self.backend.name,
+        )
+
+    def _capture_decode_graphs(self, progress: Callable[[float, str], None] | None) -> None:
+        if progress is not None:
+            progress(0.99, "capturing decode CUDA graphs")
+        try:
+            self.runner.enable_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+        except Exception:  # a driver or capture problem costs speed, never service
+            logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            self.runner.decode_graphs = None
+            # A capture invalidated mid-way can leave its side stream current: serve on the
+            # device's default stream again.
+            torch.cuda.synchronize(self.device)
+            torch.cuda.set_stream(torch.cuda.default_stream(self.device))
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        kv_transfer: KVTransferRequest | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an active request")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        vocab = self.model_config.vocab_size
+        bad_bias = sorted(t for t in params.logit_bias if t >= vocab)
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad_bias[:5]}")
+        prompt_ids = self.tokenize(prompt)
+        limit = self.max_total_tokens
+        given = list(kv_transfer.output_token_ids) if kv_transfer is not None else []
+        if given:
+            self._check_given_outputs(given, params)
+        if len(prompt_ids) + len(given) >= limit:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; it must be shorter than the context limit "
+                f"of {limit} tokens (max_model_len {self.max_model_len}, KV pool "
+                f"{self.num_blocks} blocks x {self.block_size})"
+            )
+        now = self.clock()
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(
+            request_id=request_id,
+            index=0,
+            token_ids=list(prompt_ids) + given,
+            num_prompt_tokens=len(prompt_ids),
+            params=params,
+            seed=seed,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+            metrics=RequestMetrics(now, None, None, None),
+            root_hash=root_hash(self.cache_identity, cache_salt),
+            max_total_tokens=limit,
+            eos_token_ids=self.eos_token_ids,
+            num_forks=params.n,
+        )
+        if kv_transfer is not None:
+            self._take_over(seq, kv_transfer)
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+        self.stats.request_prompt_tokens_total += len(prompt_ids)
+
+    def _check_given_outputs(self, given: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in given):
+            raise ValueError(f"kv_transfer.output_token_ids must be in [0, {vocab}), got {given}")
+        if params.n != 1 or len(given) >= params.max_tokens:
+            raise ValueError(
+                f"kv_transfer.output_token_ids ({len(given)}) needs n == 1 and fewer tokens "
+                f"than max_tokens ({params.max_tokens})"
+            )
+
+    def _take_over(self, seq: Sequence, kv_transfer: KVTransferRequest) -> None:
+        """A disaggregated request: lease its prompt at the end (prefill role), or continue
+        after the tokens a prefill engine produced, on the blocks it pulled (decode role)."""
+        seq.lease_on_finish = kv_transfer.do_remote_decode
+        if seq.num_output_tokens:
+            det = seq.detokenizer
+            det.add_tokens(seq.output_token_ids)  # their text was streamed by the prefill engine
+            det.emitted = len(det.text)
+        if kv_transfer.payloads or seq.num_output_tokens:
+            seq.held_blocks = self.transfer.adopt(seq, kv_transfer.payloads)
+
+    @property
+    def max_total_tokens(self) -> int:
+        # One sequence must always fit in the pool by itself, or it could preempt itself forever.
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            raise ValueError(f"request_id {request_id!r} is not an active request")
+        outputs = []
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                outputs.append(self._finish(seq, "abort", "aborted by the client"))
+        self.requests.pop(request_id, None)
+        return outputs
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.stats.num_preemptions += len(batch.preempted)
+        self.stats.prefix_cache_queries += batch.prefix_cache_queries
+        self.stats.prefix_cache_hits += batch.prefix_cache_hits
+        if batch.is_empty:
+            return []
+        start = self.clock()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = start
+            if seq.held_blocks:  # admitted: its own block table references them now
+                self.transfer.release_held(seq)
+        try:
+            logits, sampling = self.runner.execute(batch)
+        except Exception as exc:  # keep serving everyone else's next requests
+            logger.exception(
+                "forward pass failed; failing the %d sequences of this step", len(batch.seqs)
+            )
+            self.kv.pending_stores.clear()  # their K/V was never written
+            return self._fail_batch(batch, f"engine error: {exc}")
+        if self.kv.pending_stores:
+            self.kv.flush_pending_stores()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        self.stats.prompt_tokens_total += batch.num_prefill_tokens
+        self.histograms.observe_step(batch.num_prefill_tokens + batch.num_decode_tokens)
+        outputs = self._sample_and_emit(logits, sampling)
+        end = self.clock()
+        self.stats.steps.append(
+            StepStats(
+                end,
+                end - start,
+                batch.num_prefill_tokens,
+                batch.num_decode_tokens,
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+            )
+        )
+        return outputs
+
+    # ----------------------------------------------------------------- batch API
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together; one output per prompt (per sequence when n > 1),
+        in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
+        ):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        base = f"gen-{id(self)}-{self.clock()}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[tuple[str, int], RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            for out in self.step():  # other callers' requests may share these steps
+                if out.finished and out.request_id in pending:
+                    final[(out.request_id, out.index)] = out
+            pending = {r for r in pending if r in self.requests}
+        order = {rid: i for i, rid in enumerate(ids)}
+        return [final[key] for key in sorted(final, key=lambda k: (order[k[0]], k[1]))]
+
+
+def _resolve_decode_weights(choice: str, config: ModelConfig, device: torch.device) -> str:
+    if choice != "auto":
+        return choice
+    why = int4_unsupported_reason(config, device)
+    if why is not None:
+        logger.info("decode weights: dense (int4 %s)", why)
+        return "dense"
+    return "int4"
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'"
+        )
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r}: this machine has CUDA devices 0..{count - 1}")
+        # Triton launches, CUDA graph capture and their streams all follow the *current*
+        # device: make it the engine's, or cuda:1 would get kernels aimed at cuda:0.
+        torch.cuda.set_device(dev)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev

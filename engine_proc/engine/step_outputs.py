@@ -1,0 +1,150 @@
+"""LLMEngine's step outputs: sample the step's logits, fork n > 1 requests once their prompt is
+computed, finish sequences (stop, error, abort) and build the RequestOutputs a step returns.
+A mixin of LLMEngine (engine_proc/engine/llm_engine.py), which owns the state it reads."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_proc.core.request import Sequence, SequenceStatus
+from engine_proc.core.scheduler import ScheduledBatch
+from engine_proc.detokenizer import IncrementalDetokenizer
+from engine_proc.engine.parts import EngineParts
+from engine_proc.engine.telemetry_types import TokenEvent
+from engine_proc.executor.sampler import RawLogprobs, compute_logprobs, sample
+from engine_proc.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+
+
+class StepOutputs(EngineParts):
+    def _sample_and_emit(
+        self, logits: torch.Tensor, sampling: list[Sequence]
+    ) -> list[RequestOutput]:
+        if not sampling:
+            return []
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(sampling):
+            family = [seq] + (self._fork(seq) if seq.num_forks > 1 else [])
+            rows.extend([row] * len(family))
+            seqs.extend(family)
+        if len(rows) != len(sampling):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        params = [s.params for s in seqs]
+        tokens = sample(
+            logits,
+            params,
+            [s.seed for s in seqs],
+            [s.num_output_tokens for s in seqs],
+            [s.token_ids for s in seqs],
+            [s.num_prompt_tokens for s in seqs],
+        )
+        logprobs = compute_logprobs(logits, [p.logprobs for p in params], tokens)
+        now = self.clock()
+        outputs = []
+        for seq, token, raw in zip(seqs, tokens, logprobs, strict=True):
+            seq.append_token(token, now)
+            self.stats.generation_tokens_total += 1
+            self.stats.token_events.append(
+                TokenEvent(seq.display_id, seq.num_output_tokens - 1, now)
+            )
+            hit_stop = seq.detokenizer.add_tokens([token])
+            reason = seq.check_stop(hit_stop)
+            if reason is not None:
+                handoff = None
+                if seq.lease_on_finish and reason == "length":
+                    handoff = self.transfer.lease(seq, now)
+                self.scheduler.remove(seq)
+                out = self._finish(seq, reason, None, new_token_ids=[token])
+                out.kv_handoff = handoff
+            else:
+                out = self._output(seq, [token], seq.detokenizer.take_delta(final=False))
+            if raw is not None:
+                out.new_logprobs = [self._token_logprobs(token, raw)]
+            outputs.append(out)
+        return outputs
+
+    def _token_logprobs(self, token: int, raw: RawLogprobs) -> TokenLogprobs:
+        decode = self.tokenizer.decode
+        top = [(t, decode([t]), lp) for t, lp in raw[1]]
+        return TokenLogprobs(token, decode([token]), raw[0], top)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The prompt is computed: split into n sequences sharing its blocks."""
+        children = []
+        for index in range(1, parent.num_forks):
+            child = Sequence(
+                request_id=parent.request_id,
+                index=index,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                params=parent.params,
+                seed=_child_seed(parent.seed, index),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, parent.token_ids, parent.params.stop
+                ),
+                metrics=RequestMetrics(
+                    parent.metrics.arrival_time, parent.metrics.first_scheduled_time, None, None
+                ),
+                root_hash=parent.root_hash,
+                max_total_tokens=parent.max_total_tokens,
+                eos_token_ids=parent.eos_token_ids,
+                num_cached_tokens=parent.num_cached_tokens,
+            )
+            self.kv.fork(parent, child)
+            self.scheduler.add_forked(child)
+            self.requests[parent.request_id].append(child)
+            children.append(child)
+        parent.num_forks = 1
+        return children
+
+    def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+        outputs = []
+        for seq in batch.seqs:
+            # Blocks hashed for this step never got their K/V: they must not be hit later.
+            first_unwritten = seq.num_computed_tokens // self.block_size
+            self.scheduler.remove(seq, keep_hashes_below=first_unwritten)
+            outputs.append(self._finish(seq, "error", message))
+        for request_id in {s.request_id for s in batch.seqs}:
+            for seq in self.requests.get(request_id, []):
+                if not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    outputs.append(self._finish(seq, "error", message))
+        return outputs
+
+    def _finish(
+        self, seq: Sequence, reason: str, error: str | None, new_token_ids: list[int] | None = None
+    ) -> RequestOutput:
+        seq.status = SequenceStatus.FINISHED
+        seq.num_forks = 1  # a request that ends before its prompt is done never forks
+        self.transfer.release_held(seq)
+        seq.finish_reason = reason
+        seq.error = error
+        seq.metrics.finished_time = self.clock()
+        self.stats.num_requests_finished += 1
+        self.histograms.observe_finished(seq)
+        family = self.requests.get(seq.request_id, [])
+        if family and all(s.is_finished for s in family):
+            del self.requests[seq.request_id]
+        out = self._output(seq, new_token_ids or [], seq.detokenizer.take_delta(final=True))
+        out.finish_reason = reason
+        out.error = error
+        out.metrics = seq.metrics
+        return out
+
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            token_ids=seq.output_token_ids,
+            text=seq.detokenizer.text[: seq.detokenizer.emitted],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=seq.metrics,  # token times of every output so far, for streaming clients
+        )
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Seed of sequence `index` of an n > 1 request; sequence 0 keeps the request's seed."""
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**63

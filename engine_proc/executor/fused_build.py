@@ -1,0 +1,158 @@
+"""Building the fused decode step's C++ extension (engine_proc/native/): compiled on first use
+with the machine's C++ compiler (torch's cpp_extension, ``-O3 -march=native``) and cached under
+``$KVSCOPE_CACHE_DIR/native`` (default ``~/.cache/kvscope/native``), keyed by its source,
+torch's version and this CPU's flags, so a second start loads it in well under a second.
+What uses it: engine_proc/executor/fused_decode.py."""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import hashlib
+import logging
+import shutil
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from engine_proc.loading.loader import tokenizer_cache_dir
+
+logger = logging.getLogger(__name__)
+
+NATIVE = Path(__file__).parent.parent / "native"
+SOURCE = NATIVE / "fused_decode.cpp"  # includes the headers beside it
+
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType] = {}
+
+
+def build_unavailable_reason() -> str | None:
+    """What this machine lacks to compile the extension (None: it can try)."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "needs a C++ compiler (c++ or g++ on PATH)"
+    if shutil.which("ninja") is None:  # torch's cpp_extension builds with it
+        return "needs ninja on PATH (pip install ninja)"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "needs Python's C headers (Python.h, e.g. the python3-dev package)"
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def read_sources() -> dict[str, str]:
+    """The extension's source files (engine_proc/native), by name."""
+    return {f.name: f.read_text(encoding="utf-8") for f in sorted(NATIVE.glob("*.[ch]*"))}
+
+
+def build_key(sources: dict[str, str] | None = None) -> str:
+    """What the compiled module depends on: source, torch, flags, and the CPU (-march=native)."""
+    texts = list((sources or read_sources()).values())
+    parts = [*texts, torch.__version__, " ".join(_CFLAGS), _cpu_flags()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def build_dir(key: str) -> Path:
+    tokenizers = tokenizer_cache_dir()  # the kvscope cache root's tokenizer folder, or None
+    if tokenizers is None:  # caching turned off: build in a temporary directory, gone at exit
+        directory = tempfile.mkdtemp(prefix="kvscope-native-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        return Path(directory)
+    return tokenizers.parent / "native" / f"fused_decode_{key}"
+
+
+def load_extension() -> ModuleType:
+    """Compile (or load the cached build of) the extension; raises when it cannot be built."""
+    sources = read_sources()
+    key = build_key(sources)
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        from torch.utils import cpp_extension
+
+        directory = build_dir(key)
+        directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock(directory)
+        t0 = time.perf_counter()
+        module = cpp_extension.load(
+            name=f"kvscope_fused_decode_{key}",
+            sources=[str(staged_sources(directory, sources) / SOURCE.name)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+        logger.info("fused decode step loaded in %.1f s (%s)", time.perf_counter() - t0, directory)
+        _loaded[key] = module
+        return module
+
+
+def staged_sources(directory: Path, sources: dict[str, str]) -> Path:
+    """``sources`` (the texts ``directory``'s key was hashed from), written to ``directory``/src
+    once. Compiled from there, a cached build loads without recompiling after the checkout
+    moves or its files are touched: ninja would rebuild on a new source path or a newer source
+    (measured: 31 s)."""
+    staged = directory / "src"
+    if (staged / SOURCE.name).exists():
+        return staged
+    incoming = Path(tempfile.mkdtemp(prefix="src-", dir=directory))
+    for name, text in sources.items():
+        (incoming / name).write_text(text, encoding="utf-8")
+    try:
+        incoming.rename(staged)
+    except OSError:
+        shutil.rmtree(incoming, ignore_errors=True)
+        if not (staged / SOURCE.name).exists():  # not another process staging them first
+            raise
+    return staged
+
+
+STALE_LOCK_SECONDS = 600.0  # a build takes about a minute; an older lock is a killed build's
+
+
+def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """torch's cpp_extension waits for its `lock` file to go away before building, forever: a
+    build killed midway (an engine stopped while building) would leave every later start
+    waiting. A lock older than any build can take is removed (True when one was)."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def is_built() -> bool:
+    """Whether this machine has a cached build of the current source."""
+    directory = build_dir(build_key()) if tokenizer_cache_dir() is not None else None
+    return directory is not None and any(directory.glob("*.so"))
+
+
+def main() -> None:
+    """python -m engine_proc.executor.fused_build: build (or load) the extension, print the time."""
+    argparse.ArgumentParser(description=main.__doc__).parse_args()
+    logging.basicConfig(level=logging.INFO)
+    cached = is_built()
+    t0 = time.perf_counter()
+    load_extension()
+    kind = "loaded from the cache" if cached else "compiled"
+    print(f"fused decode step {kind} in {time.perf_counter() - t0:.1f} s: {build_dir(build_key())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Flat batch in, logits out: lays the scheduled tokens of all sequences end to end, builds
+positions, slot mapping, block tables and query offsets, and runs the forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_proc.attention.base import AttentionBackend, AttentionMetadata
+from engine_proc.attention.kv_quant import layer_caches
+from engine_proc.core.request import Sequence
+from engine_proc.core.scheduler import ScheduledBatch
+from engine_proc.executor.cuda_graphs import DecodeGraphRunner, Graph
+from engine_proc.executor.fused_decode import FusedDecode, FusedDecodeStep
+from engine_proc.models.llama import LlamaModel
+
+
+@dataclass(slots=True)
+class StepInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # flat index of the last token of each sampling sequence
+    sampling_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        backend: AttentionBackend,
+        kv_scales: torch.Tensor | None = None,  # int8 KV: [num_layers, 2, num_blocks, bs, heads]
+        kv_dtype: torch.dtype | None = None,  # int8/fp8 KV: the dtype attention reads it back in
+        kv_layer_scales: torch.Tensor | None = None,  # fp8 KV: [num_layers, 2], fixed at start
+        decode_step: str = "eager",  # "fused" / "auto": engine_proc/executor/fused_decode.py
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv_scales = kv_scales
+        read_dtype = kv_dtype or kv_cache.dtype
+        self.kv_caches = layer_caches(kv_cache, kv_scales, kv_layer_scales, read_dtype)
+        self.block_size = kv_cache.shape[3]
+        self.backend = backend
+        self.device = kv_cache.device
+        self.decode_graphs: DecodeGraphRunner | None = None  # set by enable_decode_graphs
+        self.num_graph_steps = 0
+        quantized = kv_scales is not None or kv_layer_scales is not None
+        self.fused = FusedDecode(model, kv_cache, quantized, decode_step)
+        self.num_fused_steps = 0  # fused passes (a split step makes one)
+        self.num_split_steps = 0  # mixed steps run as a fused pass and an eager one
+        self.num_fused_prompt_steps = 0  # prompt chunks run as fused rows
+        # Mixed steps (prompt chunks and decodes together) with at least this many one-token
+        # rows run those through the fused step and the chunks eagerly; None: more than the
+        # fused step's precise_rows (its fast products). Measured on 2 Zen 5 cores, a 20-token
+        # chunk beside n decodes, one pass / split: 2 threads, n = 8: 54 / 60 ms, 9: 57 / 53,
+        # 16: 68 / 54, 32: 96 / 63; 1 thread (the window's engine), n = 8: 72 / 69, 16: 98 / 63.
+        self.min_split_rows: int | None = None
+
+    def enable_decode_graphs(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        make_graph: Callable[[object], Graph] | None = None,
+    ) -> float:
+        """Capture decode graphs for batch sizes up to ``max_num_seqs``; seconds spent."""
+        graphs = DecodeGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.backend,
+            max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // self.block_size),
+            make_graph=make_graph,
+        )
+        seconds = graphs.capture()
+        self.decode_graphs = graphs
+        return seconds
+
+    def prepare(self, batch: ScheduledBatch) -> StepInput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[Sequence] = []
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = np.full((len(batch.seqs), max_blocks), -1, dtype=np.int32)
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables[row, : len(table)] = table
+            query_lens.append(n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # the prompt (or the last token) is done: sample
+                logits_indices.append(len(input_ids) - 1)
+                sampling.append(seq)
+        dev = self.device
+        query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start[1:])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.from_numpy(query_start).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sampling_seqs=sampling,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            if self.kv_scales is not None:
+                self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits [num_sampling_seqs, vocab] (float32) and the sequences they belong to."""
+        self.copy_blocks(batch.block_copies)
+        fused = self.fused.ready()
+        if fused is None or self.decode_graphs is not None:
+            return self._run(self.prepare(batch), None)
+        if max(batch.num_new_tokens) == 1:  # every row one token: no split to look for
+            return self._run(self.prepare(batch), fused)
+        one_token, rest = split_single_token_rows(batch)
+        parts: list[tuple[torch.Tensor, list[Sequence]]] = []
+        if sum(rest.num_new_tokens) <= fused.max_prompt_tokens:
+            # Short prompt chunks as one-token rows of the fused step, its precise products
+            # (the decodes, if any, in a call of their own). Rows are independent (each writes
+            # only its own sequence's new slots), so the passes compute what one would.
+            if one_token.seqs:
+                parts.append(self._run(self.prepare(one_token), fused))
+            parts.append(self._run_prompt_rows(self.prepare(rest), fused))
+            return merge_in_batch_order(batch, parts)
+        least = fused.precise_rows + 1 if self.min_split_rows is None else self.min_split_rows
+        if len(one_token.seqs) < least:
+            return self._run(self.prepare(batch), fused)
+        # A mixed step: its one-token rows (the decodes) through the fused step, the prompt
+        # chunks eagerly.
+        parts = [self._run(self.prepare(one_token), fused), self._run(self.prepare(rest), None)]
+        self.num_split_steps += 1
+        return merge_in_batch_order(batch, parts)
+
+    def _run_prompt_rows(
+        self, step: StepInput, fused: FusedDecodeStep
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Prompt chunks through the fused step, a row per token: each row writes its token's
+        K/V and attends to its sequence up to itself (every row's write comes before any row's
+        attention in a layer), so the rows compute the causal prefill."""
+        meta = step.meta
+        tables = meta.block_tables.repeat_interleave(torch.tensor(meta.query_lens_cpu), dim=0)
+        seq_lens = (step.positions + 1).to(torch.int32)
+        hidden = fused.forward_rows(
+            step.input_ids, step.positions, self.kv_cache, meta.slot_mapping, tables, seq_lens,
+            precise=True,
+        )  # fmt: skip
+        self.num_fused_prompt_steps += 1
+        if not step.sampling_seqs:
+            return hidden.new_empty((0, 0), dtype=torch.float32), []
+        return self.model.compute_logits(hidden[step.logits_indices]), step.sampling_seqs
+
+    def _run(
+        self, step: StepInput, fused: FusedDecodeStep | None
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        compute_logits = self.model.compute_logits
+        if self.decode_graphs is not None and self.decode_graphs.can_run(step):
+            hidden = self.decode_graphs.run(step)
+            self.num_graph_steps += 1
+        elif fused is not None and fused.can_run(step.meta):
+            hidden = fused.forward(step.input_ids, step.positions, self.kv_cache, step.meta)
+            compute_logits = fused.compute_logits  # as precise as the step's products
+            self.num_fused_steps += 1
+        else:
+            hidden = self.model.forward(
+                step.input_ids, step.positions, self.kv_caches, step.meta, self.backend
+            )
+        if not step.sampling_seqs:
+            return hidden.new_empty((0, 0), dtype=torch.float32), []
+        return compute_logits(hidden[step.logits_indices]), step.sampling_seqs
+
+
+def split_single_token_rows(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
+    """The rows of ``batch`` that compute one token (decodes, and prompts down to their last
+    token), and the others; block copies stay with the whole batch (done before either runs)."""
+    one, rest = ScheduledBatch(), ScheduledBatch()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        part = one if n == 1 else rest
+        part.seqs.append(seq)
+        part.num_new_tokens.append(n)
+    return one, rest
+
+
+def merge_in_batch_order(
+    batch: ScheduledBatch, parts: list[tuple[torch.Tensor, list[Sequence]]]
+) -> tuple[torch.Tensor, list[Sequence]]:
+    """The parts' logits rows and sequences, in the order the one-pass step would give them."""
+    position = {id(seq): i for i, seq in enumerate(batch.seqs)}
+    seqs = [seq for _, part_seqs in parts for seq in part_seqs]
+    if not seqs:
+        return parts[0][0], []
+    logits = torch.cat([lg for lg, part_seqs in parts if part_seqs])
+    order = sorted(range(len(seqs)), key=lambda i: position[id(seqs[i])])
+    return logits[order], [seqs[i] for i in order]

@@ -1,0 +1,229 @@
+"""GGUF file -> Checkpoint: the ModelConfig from the file's metadata, its tensors dequantized under
+Hugging Face names (llama.cpp's q/k row permutation undone), Llama 3 rope scaling recovered from
+rope_freqs.weight, and the tokenizer (engine_proc/loading/tokenizer_cache.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine_proc.loading.checkpoint import SUPPORTED_GGUF_ARCHITECTURES, Checkpoint, ProgressFn
+from engine_proc.loading.gguf_file import GgufFile, GgufTensor, dequantize
+from engine_proc.loading.tokenizer_cache import gguf_tokenizer
+from engine_proc.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine_proc.models.llama import llama3_scale
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`).
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
+    report(0.0, f"reading {path.name}")
+    t0 = time.perf_counter()
+    try:
+        gguf_file = GgufFile(path)
+    except (struct.error, UnicodeDecodeError, KeyError) as exc:
+        raise ValueError(f"model={str(path)!r}: truncated or corrupt GGUF file ({exc!r})") from exc
+    meta, tensors = gguf_file.metadata, gguf_file.tensors
+    logger.debug("parsed GGUF header of %s in %.2f s", path.name, time.perf_counter() - t0)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"model={str(path)!r}: GGUF general.architecture {arch!r} is not supported; "
+            f"supported GGUF architectures: {SUPPORTED_GGUF_ARCHITECTURES} "
+            f"(SUPPORTED_ARCHITECTURES: {SUPPORTED_ARCHITECTURES})"
+        )
+    config = _gguf_config(meta, arch, tensors, path)
+
+    weights: dict[str, torch.Tensor] = {}
+    names = [n for n in tensors if n != "rope_freqs.weight"]
+    for i, name in enumerate(names):
+        hf_name = _gguf_to_hf_name(name)
+        if hf_name is None:
+            logger.warning("ignoring unrecognised GGUF tensor %s", name)
+            continue
+        tensor = dequantize(tensors[name])
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            tensor = _unpermute_rope_rows(tensor, heads)
+        weights[hf_name] = tensor.to(dtype)
+        report(0.95 * (i + 1) / len(names), f"dequantizing {name} ({i + 1}/{len(names)})")
+    logger.debug("dequantized %d tensors in %.2f s", len(weights), time.perf_counter() - t0)
+
+    report(0.96, "loading tokenizer")
+    tokenizer = gguf_tokenizer(path, meta.get("tokenizer.chat_template"))
+    file_type = meta.get("general.file_type")
+    qtype = _file_type_name(file_type) if file_type is not None else "GGUF"
+    display = f"{_strip_quant_suffix(path.stem)} ({qtype} GGUF)"
+    return Checkpoint(config, weights, tokenizer, str(path), display)
+
+
+def _gguf_config(
+    meta: dict[str, Any], arch: str, tensors: dict[str, GgufTensor], path: Path
+) -> ModelConfig:
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"model={str(path)!r}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_kv_heads = int(key("attention.head_count_kv", num_heads))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"model={str(path)!r}: partial rotary embeddings (rope.dimension_count={rope_dim}, "
+            f"head_dim={head_dim}) are not supported"
+        )
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"model={str(path)!r}: value heads of another size than key heads")
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"model={str(path)!r}: GGUF file has no token_embd.weight")
+    embd = tensors["token_embd.weight"]
+    name = str(meta.get("general.name", "") or "")
+    architecture = {"qwen2": "Qwen2ForCausalLM"}.get(arch, "LlamaForCausalLM")
+    if arch == "llama" and "mistral" in name.lower():
+        architecture = "MistralForCausalLM"  # llama.cpp stores Mistral as llama (no sliding window)
+    eos_ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
+    config = ModelConfig(
+        architecture=architecture,
+        vocab_size=int(embd.shape[1]),  # ggml order: ne0 = hidden, ne1 = vocab
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        # stored as float32: 1e-5 arrives as 9.99999974e-06; keep the decimal value that was meant
+        rms_norm_eps=float(str(np.float32(key("attention.layer_norm_rms_epsilon")))),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        rope_scaling=_gguf_rope_scaling(meta, arch, tensors, head_dim, path),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+    )
+    if "blk.0.attn_output.bias" in tensors:
+        raise ValueError(f"model={str(path)!r}: an o_proj bias (attn_output.bias) is not supported")
+    return config
+
+
+def _gguf_rope_scaling(
+    meta: dict[str, Any], arch: str, tensors: dict[str, GgufTensor], head_dim: int, path: Path
+) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise ValueError(
+            f"model={str(path)!r}: GGUF {arch}.rope.scaling.type={kind!r} is not supported "
+            "(supported: none, or Llama 3 rope_freqs)"
+        )
+    if "rope_freqs.weight" not in tensors:
+        return None
+    # llama.cpp bakes Llama 3 rope scaling into per-frequency divisors; recover parameters that
+    # produce exactly those divisors, since the engine takes the HF-style dict. low/high freq
+    # factors are Meta's (1, 4); original_max_position_embeddings is solved for.
+    freq_factors = dequantize(tensors["rope_freqs.weight"]).reshape(-1).double()
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    factor = float(freq_factors.max())
+    low, high = 1.0, 4.0
+    wavelens = [2 * math.pi * theta ** (i / head_dim) for i in range(0, head_dim, 2)]
+    candidates = [8192, meta.get(f"{arch}.rope.scaling.original_context_length")]
+    for wavelen, ff in zip(wavelens, freq_factors.tolist(), strict=True):
+        if factor > 1 and 1 < ff < factor:  # in the smooth band: ff = 1/((1-s)/factor + s)
+            smooth = (1 / ff - 1 / factor) / (1 - 1 / factor)
+            candidates.append(round(wavelen * (smooth * (high - low) + low)))
+    # with no smooth band, any length between the last kept and first scaled band fits
+    kept = [w for w, ff in zip(wavelens, freq_factors.tolist(), strict=True) if ff == 1.0]
+    if kept:
+        candidates.append(math.floor(max(kept) * high) + 1)
+    for original in candidates:
+        if not original:
+            continue
+        scaling = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": int(original),
+        }
+        expected = _llama3_freq_factors(scaling, theta, head_dim)
+        if torch.allclose(expected, freq_factors, rtol=1e-5, atol=1e-6):
+            return scaling
+    raise ValueError(
+        f"model={str(path)!r}: rope_freqs.weight does not match Llama 3 rope scaling "
+        "(low_freq_factor 1, high_freq_factor 4); not supported"
+    )
+
+
+def _llama3_freq_factors(scaling: dict, theta: float, head_dim: int) -> torch.Tensor:
+    """Divisors llama.cpp's converter stores in rope_freqs.weight for these llama3 parameters:
+    plain inverse frequencies over the ones the engine's rotary tables use."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return inv_freq / llama3_scale(inv_freq, scaling)
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _GGUF_BLOCK_RE.match(name)
+    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert_hf_to_gguf `LlamaModel.permute` of q/k rows (and biases).
+
+    llama.cpp reorders each head's rows from HF's rotate-half layout (first half, second half) to
+    interleaved pairs; this is transformers' `_reverse_permute_weights`.
+    """
+    rows = weight.shape[0]
+    assert rows % (2 * num_heads) == 0, (rows, num_heads)
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _file_type_name(file_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return "GGUF"
+
+
+def _strip_quant_suffix(stem: str) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1' -> 'SmolLM2-135M-Instruct'."""
+    return re.sub(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE) or stem

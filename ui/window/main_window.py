@@ -1,0 +1,448 @@
+"""The main window: chat on the left; block map, charts and controls on the right; engine state in
+the status bar; an error banner with the engine's last log lines and Restart when it fails.
+
+This module builds the panels, the layout and the Engine menu, wires the signals, holds what the
+parts share (the link, the supervisor, the state, the histories) and links the chat with the block
+map. Each other concept has its own module, a collaborator holding a reference to the window:
+
+- ui/window/engine.py (`window.lifecycle`): `EngineSource`, spawning or attaching to the engine
+  (one `EngineLink` worker thread carries all ZeroMQ traffic), restart, the error banner when the
+  engine fails or stops answering.
+- ui/window/options.py (`window.option_menus`): *Decode weights* and *KV cache*, the options the
+  engine starts with.
+- ui/window/remote.py (`window.remote`): `--connect http://HOST:PORT` or *Engine → Connect to
+  server…*: vLLM, SGLang, llama.cpp's server or a KVScope front-end, through one `RemoteLink`
+  worker thread (ui/remote/link.py). A KVScope server feeds the same block map and charts from its
+  telemetry stream; the others feed the /metrics charts (ui/remote/charts.py) and an aggregate KV
+  panel (ui/remote/kv_aggregate.py), which take the block map's and the charts' places.
+- ui/window/api.py (`window.api_toggle`): *Engine → Serve OpenAI API…*, an HTTP front-end for the
+  same engine (ui/window/api_server.py).
+- ui/window/feed.py (`window.feed`): replies and telemetry frames into the panels, redraws.
+- ui/window/status_bar.py (`window.status`): what the status bar says.
+- ui/kv/tier_panel.py (`window.tier_panel`): the KV tiers strip under the block map.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QStackedWidget,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.conversations import ConversationStore
+from app.load_generator import LoadConfig
+from app.remote.probe import ServerInfo
+from app.settings import load_sampling, save_sampling
+from app.supervisor import EngineSupervisor
+from ui import theme
+from ui.charts.engine import ChartsWidget
+from ui.chat.panel import ChatPanel
+from ui.engine.link import EngineLink
+from ui.kv.block_map import BlockMapWidget
+from ui.kv.prefix_tree import PrefixTreePanel
+from ui.kv.tier_panel import TierPanel
+from ui.remote.charts import MetricsChartsWidget
+from ui.remote.kv_aggregate import KvAggregateWidget
+from ui.remote.link import RemoteLink
+from ui.remote.metrics_history import MetricsHistory
+from ui.telemetry import History
+from ui.window.api import ApiToggle
+from ui.window.api_server import ApiServer, ApiServerDialog
+from ui.window.connect_dialog import ConnectDialog
+from ui.window.controls import ControlsPanel, LoadPanel, config_dict
+from ui.window.engine import EngineLifecycle, EngineSource
+from ui.window.feed import TelemetryFeed
+from ui.window.options import EngineOptionMenus
+from ui.window.remote import RemoteWatch
+from ui.window.status_bar import StatusBarView
+
+__all__ = ["EngineSource", "MainWindow", "wait_until"]
+
+log = logging.getLogger(__name__)
+
+
+class MainWindow(QMainWindow):
+    """The panels and what they share; the collaborators (module docstring) act on them."""
+
+    def __init__(self, settings, store: ConversationStore, source: EngineSource, *,
+                 refresh_hz: float = 10.0, data_dir=None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.source = source
+        self.data_dir = data_dir
+        self.history = History()
+        self.state = "starting"
+        self.link: EngineLink | RemoteLink | None = None
+        self.remote_info: ServerInfo | None = None  # the server watched over HTTP, when one is
+        self.metric_history = MetricsHistory()
+        self.connect_dialog: ConnectDialog | None = None
+        self.want_highlight: str | None = None  # a chat not yet resolved to an engine request
+        self.supervisor: EngineSupervisor | None = None
+        self.welcome = None
+        self.last_error = ""
+        self.closing = False
+        self.engine_endpoint: str | None = None  # where the link connects (what the API fronts)
+        self.api = ApiServer(token=source.token,
+                             log_file=(data_dir / "api.log") if data_dir else None, parent=self)
+        self.api_dialog: ApiServerDialog | None = None
+        self.api_error_box: QMessageBox | None = None
+        # seconds spent in the GUI thread's own handlers (the latency benchmark reports them)
+        self.perf: dict[str, collections.deque[float]] = {
+            k: collections.deque(maxlen=10_000) for k in ("refresh", "frames", "replies")}
+        self.lifecycle = EngineLifecycle(self)
+        self.option_menus = EngineOptionMenus(self)
+        self.remote = RemoteWatch(self)
+        self._chat_aliases = self.remote.aliases  # chat request id -> its HTTP response id
+        self.api_toggle = ApiToggle(self)
+        self.feed = TelemetryFeed(self, refresh_hz)
+        self.setWindowTitle("KVScope")
+
+        self.chat = ChatPanel(store, load_sampling(settings))
+        self.block_map = BlockMapWidget()
+        self.prefix_tree = PrefixTreePanel()
+        self.charts = ChartsWidget()
+        self.kv_aggregate = KvAggregateWidget()
+        self.tier_panel = TierPanel()  # pool, host, disk: hidden without lower tiers
+        self.metric_charts = MetricsChartsWidget()
+        self.controls = ControlsPanel()
+        self.load_panel = LoadPanel()
+        self._build_layout()
+        self.status = StatusBarView(self.statusBar())
+        # the labels tests and tools read, by their old names
+        self.model_label, self.kv_label = self.status.model_label, self.status.kv_label
+        self.api_label, self.remote_label = self.status.api_label, self.status.remote_label
+        self.set_state("starting")
+        self._build_menu()
+
+        self.chat.submit.connect(self._on_submit)
+        self.chat.abort.connect(self._on_abort)
+        self.chat.conversation_selected.connect(self._on_conversation_selected)
+        self.block_map.request_selected.connect(self._on_block_request_selected)
+        self.controls.control.connect(self._on_control)
+        self.load_panel.start.connect(self.start_load)
+        self.load_panel.stop.connect(lambda: self.link and self.link.stop_load())
+        self.api.state_changed.connect(self.api_toggle.on_state)
+        self.api.failed.connect(self.api_toggle.on_failed)
+        self.api.restarted.connect(lambda ep: log.info("API server restarted against %s", ep))
+        self.feed.timer.timeout.connect(lambda: self.tier_panel.show_frame(self.history.latest))
+        self.feed.timer.start()
+        self._restore_geometry()
+
+    @property
+    def _frames_seen(self) -> int:  # `python -m app --measure-latency` reads it
+        return self.feed.frames_seen
+
+    # --- layout ----------------------------------------------------------------------------
+    def _build_layout(self) -> None:
+        self.banner = QFrame()
+        self.banner.setObjectName("banner")
+        self.banner.setStyleSheet("QFrame#banner { background: #4a1f24; border-radius: 4px; }")
+        bl = QVBoxLayout(self.banner)
+        bl.setContentsMargins(8, 6, 8, 6)
+        row = QHBoxLayout()
+        self.banner_text = QLabel()
+        self.banner_text.setWordWrap(True)
+        self.banner_text.setStyleSheet("color: #ffd6d6; font-weight: bold;")
+        self.restart_btn = QPushButton("Restart engine")
+        self.restart_btn.clicked.connect(self.restart_engine)
+        self.log_btn = QPushButton("Show log")
+        self.log_btn.setCheckable(True)
+        row.addWidget(self.banner_text, 1)
+        row.addWidget(self.log_btn)
+        row.addWidget(self.restart_btn)
+        bl.addLayout(row)
+        self.banner_log = QPlainTextEdit()
+        self.banner_log.setReadOnly(True)
+        self.banner_log.setFont(theme.mono_font(8))
+        self.banner_log.setMaximumHeight(160)
+        self.banner_log.setVisible(False)
+        self.log_btn.toggled.connect(self.banner_log.setVisible)
+        bl.addWidget(self.banner_log)
+        self.banner.setVisible(False)
+
+        bottom = QWidget()
+        bot = QHBoxLayout(bottom)
+        bot.setContentsMargins(0, 0, 0, 0)
+        bot.addWidget(self.controls, 3)
+        bot.addWidget(self.load_panel, 2)
+
+        # per-block views, or (servers without per-block telemetry) the aggregate ones
+        self.kv_tabs = QTabWidget()
+        self.kv_tabs.setDocumentMode(True)
+        self.kv_tabs.addTab(self.block_map, "Blocks")
+        self.kv_tabs.addTab(self.prefix_tree, "Prefix tree")
+        self.kv_tabs.currentChanged.connect(lambda _: self.sync_tree_wanted())
+        self.kv_stack = QStackedWidget()
+        self.kv_stack.addWidget(self.kv_tabs)
+        self.kv_stack.addWidget(self.kv_aggregate)
+        kv_area = QWidget()  # the KV views, and under them the tiers strip
+        kl = QVBoxLayout(kv_area)
+        kl.setContentsMargins(0, 0, 0, 0)
+        kl.setSpacing(2)
+        kl.addWidget(self.kv_stack, 1)
+        kl.addWidget(self.tier_panel)
+        self.chart_stack = QStackedWidget()
+        self.chart_stack.addWidget(self.charts)
+        self.chart_stack.addWidget(self.metric_charts)
+        right = QSplitter(Qt.Orientation.Vertical)
+        right.addWidget(kv_area)
+        right.addWidget(self.chart_stack)
+        right.addWidget(bottom)
+        right.setStretchFactor(0, 3)
+        right.setStretchFactor(1, 4)
+        right.setStretchFactor(2, 0)
+        right.setSizes([330, 430, 150])
+        self.right_split = right
+
+        main = QSplitter(Qt.Orientation.Horizontal)
+        main.addWidget(self.chat)
+        main.addWidget(right)
+        main.setStretchFactor(0, 2)
+        main.setStretchFactor(1, 3)
+        main.setSizes([640, 960])
+        self.main_split = main
+
+        central = QWidget()
+        cl = QVBoxLayout(central)
+        cl.setContentsMargins(4, 4, 4, 0)
+        cl.addWidget(self.banner)
+        cl.addWidget(main, 1)
+        self.setCentralWidget(central)
+
+    def _build_menu(self) -> None:
+        menu = self.menuBar().addMenu("&Engine")
+        restart = self.restart_action = QAction("&Restart engine", self)
+        restart.setShortcut(QKeySequence("Ctrl+Shift+R"))
+        restart.triggered.connect(self.restart_engine)
+        menu.addAction(restart)
+        connect = self.connect_action = QAction("&Connect to server…", self)
+        connect.setToolTip("watch a vLLM, SGLang, llama.cpp or KVScope server over HTTP")
+        connect.triggered.connect(self.open_connect_dialog)
+        menu.addAction(connect)
+        local = self.local_action = QAction("Back to the &local engine", self)
+        local.setToolTip("stop watching the server and use this window's own engine again")
+        local.triggered.connect(self.use_local_engine)
+        local.setVisible(self.source.is_remote)
+        menu.addAction(local)
+        menu.addSeparator()
+        self.decode_weights_menu, self.decode_weight_actions = (
+            self.option_menus.add_decode_weights_menu(menu))
+        self.kv_cache_menu, self.kv_cache_actions = self.option_menus.add_kv_cache_menu(menu)
+        menu.addSeparator()
+        api = self.api_action = QAction("Serve &OpenAI API…", self, checkable=True)
+        api.triggered.connect(self.api_toggle.on_triggered)
+        menu.addAction(api)
+        menu.setToolTipsVisible(True)
+        self.update_menu()
+
+    def update_menu(self) -> None:
+        """What the Engine menu offers depends on what the window is attached to."""
+        remote = self.source.is_remote
+        weights, api = self.decode_weights_menu, self.api_action
+        attached_tip = (
+            "" if not self.source.connect else
+            "set when the engine starts; this window watches a server over HTTP" if remote else
+            "set when the engine starts; this window attached to a running one")
+        for sub, tip in ((weights, ""), (self.kv_cache_menu, "the KV pool's element type and "
+                          "the tiers below it; a change restarts the engine")):
+            sub.setEnabled(not self.source.connect)
+            sub.setToolTip(attached_tip)
+            sub.menuAction().setToolTip(attached_tip or tip)
+        disk = self.kv_cache_actions["disk"]
+        for value, action in disk.items():  # the tier's files live in the data directory
+            action.setEnabled(not value or self.data_dir is not None)
+        api.setEnabled(not remote and not self.source.is_demo)
+        api.setToolTip("the window is watching a server over HTTP; it has an API of its own"
+                       if remote else
+                       "an OpenAI-compatible HTTP API on 127.0.0.1 for this window's engine")
+        self.restart_action.setText("&Reconnect" if remote else "&Restart engine")
+        self.local_action.setVisible(remote)
+
+    def set_state(self, state: str, detail: str = "") -> None:
+        self.state = state
+        self.status.show_state(state, detail)
+
+    # --- the engine, a server over HTTP (ui/window/engine.py, ui/window/remote.py) --------------
+    def start_engine(self) -> None:
+        self.lifecycle.start()
+
+    def restart_engine(self) -> None:
+        self.lifecycle.restart()
+
+    def set_decode_weights(self, value: str) -> None:
+        """Remember the choice and restart a spawned engine with it (an attached engine keeps
+        whatever it was started with)."""
+        self.option_menus.set_decode_weights(value)
+
+    def set_kv_cache_dtype(self, value: str) -> None:
+        """*Engine → KV cache → Element type*: "auto", a float type ("fp32", "fp16") or a
+        quantised one ("int8", "fp8")."""
+        self.option_menus.set_kv_cache_dtype(value)
+
+    def set_kv_host_memory(self, nbytes: int) -> None:
+        """*Engine → KV cache → Host memory tier*: bytes, 0 = off."""
+        self.option_menus.set_kv_host_memory(nbytes)
+
+    def set_kv_disk_bytes(self, nbytes: int) -> None:
+        """*Engine → KV cache → Disk tier*: bytes in <data dir>/kv-cache, 0 = off."""
+        self.option_menus.set_kv_disk_bytes(nbytes)
+
+    def _confirm_restart(self, in_flight: int, what: str = "the decode weights") -> bool:
+        answer = QMessageBox.question(
+            self, "Restart the engine",
+            f"Changing {what} restarts the engine: {in_flight} reply(s) in progress "
+            "will stop (the text so far is kept). Restart now?")
+        return answer == QMessageBox.StandardButton.Yes
+
+    def open_connect_dialog(self) -> None:
+        self.remote.open_connect_dialog()
+
+    def connect_to(self, url: str, api_key: str | None = None) -> None:
+        """Watch the server at `url` (remembered in the recent list; the key is not)."""
+        self.remote.connect_to(url, api_key)
+
+    def use_local_engine(self) -> None:
+        self.remote.use_local_engine()
+
+    def redraw_now(self) -> None:
+        """Both panels at once (screenshots)."""
+        self.feed.redraw_now()
+        self.remote.disagg.redraw_now()  # a disaggregated deployment's panels, when shown
+
+    # --- requests and controls --------------------------------------------------------------
+    def _on_submit(self, rid: str, messages: list, sampling: dict) -> None:
+        if self.link is None:
+            self.chat.interrupt_all("no engine")
+            return
+        self.link.generate(rid, messages, sampling)
+
+    def _on_abort(self, rid: str) -> None:
+        if self.link is not None:
+            self.link.abort(rid)
+
+    def _on_conversation_selected(self, conv_id: str, rid: str) -> None:
+        if self.source.is_remote and rid:
+            # a chat over HTTP has another id in the engine: found once the server names it
+            self.want_highlight = rid
+            self.block_map.highlight_request(self.remote.engine_rid(rid))
+            self.prefix_tree.highlight_request(self.remote.engine_rid(rid))
+            return
+        self.want_highlight = None
+        self.block_map.highlight_request(rid or None)
+        self.prefix_tree.highlight_request(rid or None)
+
+    def sync_tree_wanted(self) -> None:
+        """The link's worker lays the prefix tree out only while its tab is shown."""
+        tracker = getattr(self.link, "tree", None)
+        if tracker is not None:
+            tracker.wanted = self.kv_tabs.currentWidget() is self.prefix_tree
+
+    def _on_block_request_selected(self, rid: str) -> None:
+        """A request picked in the block map: show its conversation when it is one of ours."""
+        self.want_highlight = None
+        if self.source.is_remote:
+            rid = self.remote.chat_rid_of(rid)
+        for conv_id, last in self.chat.last_request.items():
+            if last == rid and (self.chat.current is None or self.chat.current.id != conv_id):
+                self.chat.conversation_selected.disconnect(self._on_conversation_selected)
+                try:
+                    self.chat.select_conversation(conv_id)
+                finally:
+                    self.chat.conversation_selected.connect(self._on_conversation_selected)
+                break
+
+    def _on_control(self, op: str, fields: dict) -> None:
+        if self.link is not None:
+            self.link.control(op, **fields)
+
+    def on_control_reply(self, msg) -> None:
+        if type(msg).__name__ == "ControlAck":
+            self.controls.show_config(config_dict(msg.config))
+            extra = ""
+            if msg.op == "reset_prefix_cache":
+                extra = ": flushed" if msg.result else ": nothing to flush (blocks in use)"
+            self.controls.show_result(f"{msg.op} ok{extra}")
+        else:
+            self.controls.show_result(f"{msg.code}: {msg.message}", error=True)
+
+    def start_load(self, config: LoadConfig) -> None:
+        if self.link is not None:
+            self.load_panel.set_running(True)
+            self.link.start_load(config)
+
+    # --- settings and shutdown --------------------------------------------------------------
+    def _restore_geometry(self) -> None:
+        for key, box in self.load_panel.boxes().items():
+            try:
+                box.setValue(int(self.settings.value(f"load/{key}", box.value())))
+            except (TypeError, ValueError):
+                pass
+        geo = self.settings.value("window/geometry")
+        if geo is not None:
+            self.restoreGeometry(geo)
+        else:
+            self.resize(1600, 1000)
+        for key, split in (("window/main_split", self.main_split),
+                           ("window/right_split", self.right_split)):
+            state = self.settings.value(key)
+            if state is not None:
+                split.restoreState(state)
+
+    def save_settings(self) -> None:
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        self.settings.setValue("window/main_split", self.main_split.saveState())
+        self.settings.setValue("window/right_split", self.right_split.saveState())
+        save_sampling(self.settings, self.chat.sampling())
+        for key, box in self.load_panel.boxes().items():
+            self.settings.setValue(f"load/{key}", box.value())
+        if self.chat.current is not None:
+            self.settings.setValue("chat/current", self.chat.current.id)
+        self.settings.sync()
+
+    def shutdown(self) -> None:
+        """Save everything, close the link, stop a spawned engine. Idempotent."""
+        if self.closing:
+            return
+        self.closing = True
+        self.feed.timer.stop()
+        self.chat.shutdown()
+        self.save_settings()
+        if self.link is not None:
+            self.link.stop(timeout=2.0)
+            self.link = None
+        self.api.shutdown()
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout=5.0)
+        self.set_state("stopped")
+
+    def closeEvent(self, ev: QCloseEvent) -> None:  # noqa: N802 - Qt name
+        self.shutdown()
+        super().closeEvent(ev)
+
+
+def wait_until(pred, timeout: float, app) -> bool:
+    """Spin the event loop until `pred()` or `timeout` seconds (CLI tools and tests)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        app.processEvents()
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
