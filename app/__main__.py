@@ -5,7 +5,7 @@
                                  server or `kvscope serve` over HTTP)
     kvscope chat ...             terminal chat (app.chat)
     kvscope bench ...            benchmarks (app.bench)
-    kvscope serve ...            OpenAI-compatible HTTP API and Prometheus metrics (app.api.serve)
+    kvscope serve ...            OpenAI-compatible HTTP API and Prometheus metrics (app.serve)
 
 GUI extras: `--screenshot OUT.png [--load N]` renders the window under load to a PNG and exits;
 `--measure-latency SECONDS [--load 32]` prints the GUI event-loop latency percentiles;
@@ -28,7 +28,7 @@ from typing import Any
 
 from app.supervisor import DECODE_WEIGHTS, DTYPES, KV_CACHE_DTYPES, KV_DISK_SUBDIR
 
-SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench.suite", "serve": "app.api.serve"}
+SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench.suite", "serve": "app.serve"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +141,12 @@ def run_gui(args: argparse.Namespace) -> int:
     headless = bool(args.screenshot or args.measure_latency)
     if headless and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from ui.platform_check import platform_problem
+
+    problem = platform_problem()  # Qt itself would abort the process, naming no package
+    if problem:
+        print(f"kvscope: {problem}", file=sys.stderr)
+        return 1
     from PySide6.QtWidgets import QApplication
 
     from app.conversations import ConversationStore

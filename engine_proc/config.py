@@ -42,13 +42,14 @@ class EngineConfig:
     # prompt-sized products keep the dense weights. "auto": int4 where it can run (CPU), else
     # dense.
     decode_weights: str = "dense"
-    # "fused": CPU decode steps of the int4 model in one C++ call (engine_proc/executor/fused_decode.py,
-    # compiled on first use and cached); "auto": that once a cached build exists, built in the
-    # background meanwhile; "eager": torch operators from Python. Falls back to eager (logged).
+    # "fused": CPU decode steps of the int4 model in one C++ call
+    # (engine_proc/executor/fused_decode.py, compiled on first use and cached); "auto": that once a
+    # cached build exists, built in the background meanwhile; "eager": torch operators from Python.
+    # Falls back to eager (logged).
     decode_step: str = "eager"
     seed: int = 0  # seeds requests that bring no seed of their own
-    # Lower KV tiers (engine_proc/kv_store/tiers.py), off by default: bytes of host memory for evicted
-    # prefix blocks (pinned on CUDA), and a directory whose block files outlive the process.
+    # Lower KV tiers (engine_proc/kv_store/tiers.py), off by default: bytes of host memory for
+    # evicted prefix blocks (pinned on CUDA), and a directory whose block files outlive the process.
     kv_host_memory: int = 0
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES

@@ -68,9 +68,9 @@ def hf_greedy(hf_default_model):
 
 @pytest.fixture(scope="session")
 def parity_references(default_engine_factory, hf_greedy):
-    """tests/engine_proc/engine/test_hf_parity.py's prompts as token ids, with transformers' greedy replies to them
-    (PARITY_TOKENS tokens at most, ending at EOS): computed once, for every test comparing the
-    default model's replies with the dense reference."""
+    """tests/engine_proc/engine/test_hf_parity.py's prompts as token ids, with transformers' greedy
+    replies to them (PARITY_TOKENS tokens at most, ending at EOS): computed once, for every test
+    comparing the default model's replies with the dense reference."""
     from tests.engine_proc.engine.test_hf_parity import PARITY_TOKENS, PROMPTS
 
     engine = default_engine_factory(dtype="float32")

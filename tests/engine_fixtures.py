@@ -102,10 +102,11 @@ def greedy_reference(model) -> Callable[[list[int], int], list[int]]:
 
 def sampled_reference(model) -> Callable[[list[int], SamplingParams, int], list[int]]:
     """One sequence, one token at a time: transformers' logits of the whole sequence, each
-    draw made by the sampler at (seed, output position), the contract engine_proc/executor/sampler.py
-    documents (the sampler itself is checked against brute force in tests/engine_proc/executor/test_sampler.py).
-    What a request must produce however the engine batches, chunks or preempts it; greedy
-    params give transformers' greedy tokens. Stops at EOS (id 2) unless ignore_eos."""
+    draw made by the sampler at (seed, output position), the contract
+    engine_proc/executor/sampler.py documents (the sampler itself is checked against brute force in
+    tests/engine_proc/executor/test_sampler.py). What a request must produce however the engine
+    batches, chunks or preempts it; greedy params give transformers' greedy tokens. Stops at EOS (id
+    2) unless ignore_eos."""
     from engine_proc.executor.sampler import sample
 
     def run(prompt_ids: list[int], params: SamplingParams, seed: int) -> list[int]:

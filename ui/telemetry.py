@@ -1,10 +1,9 @@
 """The GUI's view of engine telemetry: one `Frame` per snapshot, and `History` of them for charts.
 
 No Qt and no engine_proc here. `Frame.from_wire` accepts whatever the protocol layer decoded
-(msgspec Structs, dataclasses or plain dicts with the fields of engine_proc/engine/telemetry_types.py),
-so the widgets depend only on this module. `History` turns the stream of frames into the
-ring-buffered series the charts draw.
-"""
+(msgspec Structs, dataclasses or plain dicts with the fields of
+engine_proc/engine/telemetry_types.py), so the widgets depend only on this module. `History` turns
+the stream of frames into the ring-buffered series the charts draw. """
 
 from __future__ import annotations
 

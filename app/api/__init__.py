@@ -3,10 +3,16 @@
 It runs in its own process (or beside the window as a child of the GUI), talks to the engine over
 the ZeroMQ protocol like every other client, and never imports torch or Qt:
 
+    settings.py   the server's settings (bounds, keys, names) and what a loopback host is
+    guard.py      Host check and API key before any route (pure ASGI), bounded JSON bodies
     errors.py     OpenAI error bodies and status codes
     requests.py   request bodies -> validated generation plans (400 naming the field)
+    generation.py one generation over the engine client; responses.py, streaming.py: replies
     responses.py  engine replies -> OpenAI response objects and stream chunks
     metrics.py    telemetry snapshots -> Prometheus text (vLLM's names, `kvscope:` prefix)
-    server.py     the ASGI app: security, limits, routes, disconnects
-    serve.py      `kvscope serve` / `python -m app serve`: spawn or attach, then serve
+    server.py     the ASGI app: routes, limits, disconnects
+    keeper.py     the hold on the engine: spawn or attach, restart, reattach
+
+The command itself, `kvscope serve` / `python -m app serve`, is app/serve.py (it also builds the
+disaggregated deployment of app/router/).
 """

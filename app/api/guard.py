@@ -8,25 +8,15 @@ import hashlib
 import ipaddress
 import json
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.errors import APIError
-
-if TYPE_CHECKING:
-    from app.api.server import ServerSettings
+from app.api.settings import LOOPBACK_HOSTS, ServerSettings
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
-
-
-def is_loopback_host(host: str) -> bool:
-    h = host.strip("[]").lower()
-    return h in ("localhost", "::1") or h.startswith("127.")
-
-
 class GuardMiddleware:
     """Host check, then API key, before any route runs (pure ASGI: no per-request task)."""
 

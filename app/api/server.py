@@ -10,7 +10,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -21,9 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.api import requests as R
 from app.api.errors import APIError, error_body
 from app.api.generation import Generation, api_error_of
-from app.api.guard import GuardMiddleware, is_loopback_host, read_json
+from app.api.guard import GuardMiddleware, read_json
 from app.api.metrics import render as render_metrics
 from app.api.responses import Reply
+from app.api.settings import ServerSettings
 from app.api.streaming import SSEResponse, first_events, stream_chunks, wait_disconnect
 from ipc import protocol as P
 from ipc.async_client import AsyncEngineClient
@@ -33,24 +33,6 @@ log = logging.getLogger(__name__)
 
 TELEMETRY_MEDIA_TYPE = "application/vnd.kvscope.msgpack"  # docs/PROTOCOL.md section 9
 ENGINE_ROLES = ("prefill", "decode")  # the engines of a disaggregated deployment
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)  # empty: no key needed
-    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's name
-    max_body_bytes: int = 1 << 20
-    max_pending: int = 256  # API calls in flight
-    max_n: int = 16
-    max_tokens: int | None = None  # per sequence; None: max_model_len
-    cors_origins: list[str] = field(default_factory=list)
-    allowed_hosts: list[str] = field(default_factory=list)  # extra Host names on loopback
-
-    @property
-    def loopback(self) -> bool:
-        return is_loopback_host(self.host)
 
 
 class EngineLink:

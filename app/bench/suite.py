@@ -6,6 +6,7 @@ and its HTTP front-end against its ZeroMQ protocol.
     python -m app.bench --workloads streaming --repeats 2   # HTTP vs ZeroMQ, 32 streams
     python -m app.bench --workloads streams    # decode tok/s at 1, 4, 16, 64 concurrent streams
     python -m app.bench --workloads tiered,restart,kv-int8 --repeats 1   # KV tiers, int8 KV
+    python -m app.bench --workloads tiered,restart --long    # the 2,000-token tier workloads
 
 Workloads are built from a seed (app/bench/workloads.py: token ids drawn from the model's
 ordinary vocabulary, output lengths, arrival times) and written as JSON; each (system, workload,
@@ -43,6 +44,7 @@ from app.bench.stats import summarize_workload
 from app.bench.table import build_rows, build_streams_rows, format_streams_table, format_table
 from app.bench.workloads import (
     FULL,
+    LONG,
     QUICK,
     STREAMS_DECODE_WEIGHTS,
     WORKLOAD_SYSTEMS,
@@ -143,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="small counts and lengths, one repeat (a few minutes on 2 cores)")
+    ap.add_argument("--long", action="store_true",
+                    help="the long versions of the KV-tier workloads (16 system prompts of 2,000 "
+                    "tokens; about 30 minutes on 2 cores instead of a few)")
     ap.add_argument("--repeats", type=int, default=None, help="default 3, --quick 1")
     ap.add_argument("--workloads", default=None, nargs="+",
                     help=f"comma- or space-separated subset of {','.join(WORKLOADS)}; "
@@ -178,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sizes(args: argparse.Namespace) -> Sizes:
-    s = Sizes(**asdict(QUICK if args.quick else FULL))
+    s = Sizes(**asdict(QUICK if args.quick else LONG if args.long else FULL))
     if args.hf_batch:
         s.hf_batch = args.hf_batch
     if args.rate:
@@ -205,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.quick and args.long:
+        print("error: --quick and --long exclude each other", file=sys.stderr)
+        return 2
     sizes = _sizes(args)
     try:
         workloads = (default_workloads(sizes) if args.workloads is None else expand_workloads(
@@ -225,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(absolute(args.out))
     (out / "workloads").mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    log.info("bench: %s, %d repeat(s), %d thread(s), dtype %s, out %s",
-             "quick" if args.quick else "full", repeats, args.threads, args.dtype, out)
+    size = "quick" if args.quick else "long" if args.long else "full"
+    log.info("bench: %s, %d repeat(s), %d thread(s), dtype %s, out %s", size, repeats,
+             args.threads, args.dtype, out)
 
     log.info("[ceilings] machine ceilings and model facts (first run also caches the weights)")
     ceilings = run_worker("ceilings", None, args, timeout)
@@ -271,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary[w][system].update(disagg_summary(by[system]))
     rows = build_rows(summary, ceilings) + build_kv_rows(summary) + disagg_rows(summary)
     streams_rows = build_streams_rows(summary)
-    header = (f"KVScope bench ({'quick' if args.quick else 'full'}, {repeats} repeat(s), "
+    header = (f"KVScope bench ({size}, {repeats} repeat(s), "
               f"{args.threads} thread(s), {args.dtype}, {model['name']}, hf static batch "
               f"{sizes.hf_batch}, interference chunk {sizes.interf_chunk}); ratio = kvscope "
               f"over baseline (for latencies: baseline over kvscope; streaming: kvscope-http "
@@ -288,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                if r and ("skipped" in r[0] or "error" in r[0])}
     for key, why in skipped.items():
         print(f"  {key}: {why}")
-    report = {"config": {"quick": args.quick, "repeats": repeats, "threads": args.threads,
+    report = {"config": {"quick": args.quick, "long": args.long, "repeats": repeats,
+                         "threads": args.threads,
                          "dtype": args.dtype, "seed": args.seed, "model": args.model,
                          "workloads": workloads, "sizes": asdict(sizes)},
               "ceilings": ceilings, "summary": summary, "rows": [asdict(r) for r in rows],

@@ -36,7 +36,8 @@ WORKLOAD_SYSTEMS = {
 # kvscope's decode weights in the streams workloads: what the app runs on a CPU by default
 # (`auto`: 4-bit copies for steps of at most 16 tokens where supported, else dense).
 STREAMS_DECODE_WEIGHTS = "auto"
-# ...and the decode step the app uses with them (engine_proc/executor/fused_decode.py; built once, cached)
+# ...and the decode step the app uses with them (engine_proc/executor/fused_decode.py; built once,
+# cached)
 STREAMS_DECODE_STEP = "fused"
 
 
@@ -66,15 +67,16 @@ class Sizes:
     streams_levels: tuple[int, ...] = STREAMS_LEVELS  # which N `--workloads streams` runs
     streams_len: int = 29  # prompt tokens of every stream (the table)
     streams_new: int = 128  # new tokens of every stream, EOS ignored
-    # KV tiers and int8 KV (app/bench/kv_workloads.py)
-    tiered_prompts: int = 16  # distinct system prompts in rotation
-    tiered_len: int = 2000  # tokens of each system prompt
-    tiered_pool_prompts: int = 4  # the pool holds this many requests
-    tiered_requests: int = 24  # the first rotation computes; the rest are measured
+    # KV tiers and int8 KV (app/bench/kv_workloads.py); sized so that each ratio shows within a
+    # minute or two on 2 cores (LONG: the 2,000-token version, about 10x the time)
+    tiered_prompts: int = 6  # distinct system prompts in rotation
+    tiered_len: int = 1024  # tokens of each system prompt
+    tiered_pool_prompts: int = 2  # the pool holds this many requests
+    tiered_requests: int = 12  # the first rotation computes; the rest are measured
     tiered_user: int = 8  # each request's own user turn (under one KV block)
     tiered_out: int = 1
     restart_prompts: int = 2
-    restart_len: int = 2000
+    restart_len: int = 1024
     kvcap_memory: int = 32 * 2**20  # the fixed kv_cache_memory of both KV dtypes
     kvcap_seqs: int = 24  # more than int8 KV holds at once for the default model
     kvcap_prompt: int = 120
@@ -86,6 +88,8 @@ class Sizes:
 
 
 FULL = Sizes()
+LONG = Sizes(tiered_prompts=16, tiered_len=2000, tiered_pool_prompts=4, tiered_requests=24,
+             restart_len=2000)
 QUICK = Sizes(
     single_prompt=32, single_new=32, prefill_len=256, prefill_reps=2,
     mixed_n=12, mixed_prompt=(16, 64), mixed_out=(4, 16), poisson_rate=4.0,

@@ -1,7 +1,7 @@
 """`kvscope serve --disaggregated`: a prefill engine, a decode engine and the router between
 them, behind the one HTTP API.
 
-Each engine has its own keeper (spawn or attach, restart with backoff: app/api/serve.py), so
+Each engine has its own keeper (spawn or attach, restart with backoff: app/api/keeper.py), so
 one dying leaves the other serving (the router sends it whole requests meanwhile). The CPU's
 cores are split between the two engines' torch threads.
 """
@@ -15,6 +15,7 @@ import shlex
 from typing import Any
 
 from app.api.errors import APIError
+from app.api.keeper import EngineKeeper
 from app.api.server import EngineLink
 from app.router.router import DisaggRouter, mismatch, split_threads
 from ipc import protocol as P
@@ -103,11 +104,10 @@ def role_args(args: argparse.Namespace, role: str, threads: int) -> argparse.Nam
 
 
 class DisaggKeeper:
-    """Two EngineKeepers (app/api/serve.py), one per role."""
+    """Two EngineKeepers (app/api/keeper.py), one per role."""
 
     def __init__(self, link: DisaggLink, args: argparse.Namespace, token: str | None,
                  on_fatal: Any = None) -> None:  # fmt: skip
-        from app.api.serve import EngineKeeper
 
         p_threads, d_threads = split_threads(args.disagg_cores)
         log.info("disaggregated: prefill engine %d threads, decode engine %d threads",

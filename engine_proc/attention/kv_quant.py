@@ -137,11 +137,11 @@ def resolve_kv_cache_dtype(
     mode's products are approximate anyway): llama.cpp's default KV type, half the bytes the
     wide decode steps read (Zen 5: a 64-row fused step at 100-token contexts 0.81x the time,
     at 1,000 0.57x), the parity replies as often the dense model's as with float32 K/V there
-    (tests/engine_proc/models/test_int4_agreement.py: narrow 8 of 8; 16-row steps 7 and 7 of 8). Not on AVX2-only
-    CPUs: the gain is smaller where the products bound the step (the AVX2 build on Zen 5: 0.92x
-    at 100-token contexts) and 16-row steps' replies were identical on 6 and 4 of 8 (float32
-    K/V: 7 and 6), all at near-ties but below the suite's claim.
-    A float pool of the model's own dtype is "auto" (one name for one cache content)."""
+    (tests/engine_proc/models/test_int4_agreement.py: narrow 8 of 8; 16-row steps 7 and 7 of 8). Not
+    on AVX2-only CPUs: the gain is smaller where the products bound the step (the AVX2 build on Zen
+    5: 0.92x at 100-token contexts) and 16-row steps' replies were identical on 6 and 4 of 8
+    (float32 K/V: 7 and 6), all at near-ties but below the suite's claim. A float pool of the
+    model's own dtype is "auto" (one name for one cache content)."""
     if (
         kv_cache_dtype == "auto" and model_dtype == torch.float32 and decode_weights == "int4"
         and native_bf16

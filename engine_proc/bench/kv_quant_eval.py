@@ -4,8 +4,8 @@ model-dtype cache on the same engine path.
 Teacher-forced next-token distributions over text the model did not write (this repository's
 documentation, or --text FILE), fed through the engine in prompt chunks so later chunks attend
 to K/V read back from the (quantised) paged cache: mean and p99 KL(ref || quantised), perplexity
-of both, and greedy agreement on the 8 parity chat prompts of tests/engine_proc/engine/test_hf_parity.py.
-"""
+of both, and greedy agreement on the 8 parity chat prompts of
+tests/engine_proc/engine/test_hf_parity.py. """
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ _LONG_TEXT = (
     "operating system split a program's address space into fixed-size pages and kept a page "
     "table mapping each virtual page to a physical frame. "
 ) * 6
-# The 8 parity chats of tests/engine_proc/engine/test_hf_parity.py (engine_proc must not import tests).
+# The 8 parity chats of tests/engine_proc/engine/test_hf_parity.py (engine_proc must not import
+# tests).
 PARITY_CHATS: list[list[dict[str, str]]] = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -132,7 +133,9 @@ def _common_prefix(a: list[int], b: list[int]):  # noqa: ANN202
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine_proc.bench.kv_quant_eval", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m engine_proc.bench.kv_quant_eval", description=__doc__
+    )
     p.add_argument(
         "--kv-cache-dtype",
         default="int8",

@@ -5,13 +5,26 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from engine_proc.core.block_pool import BlockPool, KVBlock
+from engine_proc.core.kv_events import ChainLink
 from engine_proc.core.request import Sequence
 
-if TYPE_CHECKING:
-    from engine_proc.kv_store.tiers import KVTiers
+
+class LowerTiers(Protocol):
+    """The KV tiers below the pool as the manager uses them (engine_proc/kv_store/tiers.py
+    KVTiers): the policy here, the storage there, so core imports no storage code."""
+
+    write_through: bool
+    queries: int  # tokens looked up below the pool
+    hit_tokens: int  # tokens loaded from below the pool
+    link_of: Callable[[int], ChainLink] | None
+
+    def contains(self, block_hash: bytes) -> bool: ...
+    def store(self, block_hash: bytes, block_id: int) -> None: ...
+    def load(self, block_hash: bytes, block_id: int) -> str | None: ...
 
 
 def root_hash(model_id: str, cache_salt: str | None) -> bytes:
@@ -33,10 +46,10 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.tiers: KVTiers | None = None  # lower KV tiers (host, disk); see attach_tiers
+        self.tiers: LowerTiers | None = None  # lower KV tiers (host, disk); see attach_tiers
         self.pending_stores: list[tuple[int, bytes]] = []  # write-through, after the step runs
 
-    def attach_tiers(self, tiers: KVTiers) -> None:
+    def attach_tiers(self, tiers: LowerTiers) -> None:
         """Evicted cached blocks are written down into `tiers`, and prefix lookups continue
         there after the pool (engine_proc/kv_store/tiers.py)."""
         self.tiers = tiers

@@ -40,8 +40,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, grown lazily
     finish_reason: str | None = None
     error: str | None = None
-    # Disaggregation (engine_proc/kv_transfer/transfer.py): lease the prompt's blocks when it finishes
-    # (prefill role); blocks adopted from a prefill engine, held until admission (decode role).
+    # Disaggregation (engine_proc/kv_transfer/transfer.py): lease the prompt's blocks when it
+    # finishes (prefill role); blocks adopted from a prefill engine, held until admission (decode
+    # role).
     lease_on_finish: bool = False
     held_blocks: list = field(default_factory=list)
 

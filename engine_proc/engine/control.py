@@ -1,6 +1,7 @@
 """LLMEngine's live control and state: scheduler limits, prefix caching, KV cache events and
 the lower KV tiers, model info and telemetry snapshots (what the server's controls and its
-publishing call). A mixin of LLMEngine (engine_proc/engine/llm_engine.py), which owns the state it reads."""
+publishing call). A mixin of LLMEngine (engine_proc/engine/llm_engine.py), which owns the state it
+reads."""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ class LiveControl(EngineParts):
             "decode_weights": self.decode_weights,
             "kv_cache_dtype": self.kv_cache_dtype,
             "cache_identity": self.cache_identity,
-            # lower KV tiers (engine_proc/kv_store/tiers.py): their capacity in bytes, 0 = no such tier
+            # lower KV tiers (engine_proc/kv_store/tiers.py): their capacity in bytes, 0 = no such
+            # tier
             "kv_host_bytes": self.config.kv_host_memory if tiers and tiers.host else 0,
             "kv_disk_bytes": tiers.disk.capacity_bytes if tiers and tiers.disk else 0,
             "block_size": self.block_size,

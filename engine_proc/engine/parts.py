@@ -1,5 +1,5 @@
-"""The state LLMEngine (engine_proc/engine/llm_engine.py) builds in its constructor, declared once for the
-mixins it is made of (engine_tokens, engine_outputs, engine_control): each reads these
+"""The state LLMEngine (engine_proc/engine/llm_engine.py) builds in its constructor, declared once
+for the mixins it is made of (engine_tokens, engine_outputs, engine_control): each reads these
 attributes from the engine that inherits it."""
 
 from __future__ import annotations

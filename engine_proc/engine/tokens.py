@@ -1,5 +1,6 @@
 """LLMEngine's tokenization: prompts (text, token ids or chat messages) to token ids, and back.
-A mixin of LLMEngine (engine_proc/engine/llm_engine.py), which owns the tokenizer and the model config."""
+A mixin of LLMEngine (engine_proc/engine/llm_engine.py), which owns the tokenizer and the model
+config."""
 
 from __future__ import annotations
 

@@ -22,15 +22,13 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
+from engine_proc.executor.step_input import StepInput
 from engine_proc.models.llama import LlamaModel
-
-if TYPE_CHECKING:
-    from engine_proc.executor.model_runner import StepInput
 
 logger = logging.getLogger(__name__)
 

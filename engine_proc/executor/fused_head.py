@@ -7,14 +7,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine_proc.models.llama import LlamaModel
-
-if TYPE_CHECKING:
-    from engine_proc.executor.fused_decode import FusedDecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +20,20 @@ Q8_HEAD_ROWS = 256  # logits of up to this many rows by the 8-bit head kernel
 # its head too
 ALL_PRODUCTS = ("qkv", "o", "gate_up", "down")
 
+Head = Callable[[torch.Tensor], torch.Tensor]
+
+
+class WideHeadStep(Protocol):
+    """What the head wiring reads and sets on a fused step (fused_decode.FusedDecodeStep)."""
+
+    q8_products: tuple[str, ...]
+    q8_kernel: str
+    wide_head: Head | None
+    wide_head_kind: str
+
 
 def use_head_kernel(
-    model: LlamaModel, module: ModuleType, step: FusedDecodeStep | None = None
+    model: LlamaModel, module: ModuleType, step: WideHeadStep | None = None
 ) -> str:
     """Route decode-sized logits through the extension: the exact 8-bit weights in float32
     where the output projection is 8-bit valued (a GGUF Q8_0 tensor: the default model), else
@@ -55,9 +63,9 @@ def use_head_kernel(
 
 
 def _wide_head(
-    model: LlamaModel, module: ModuleType, step: FusedDecodeStep, codes: torch.Tensor,
+    model: LlamaModel, module: ModuleType, step: WideHeadStep, codes: torch.Tensor,
     scales: torch.Tensor,
-) -> tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]:  # fmt: skip
+) -> tuple[str, Head | None]:  # fmt: skip
     """Which kernel computes the logits of ``step``'s wide steps from the 8-bit head (q8_pack's
     codes and scales), and the function: ("q8", 8-bit activations), ("bf16", ...) or
     ("none", None)."""

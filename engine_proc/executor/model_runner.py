@@ -4,7 +4,6 @@ positions, slot mapping, block tables and query offsets, and runs the forward pa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,16 +14,8 @@ from engine_proc.core.request import Sequence
 from engine_proc.core.scheduler import ScheduledBatch
 from engine_proc.executor.cuda_graphs import DecodeGraphRunner, Graph
 from engine_proc.executor.fused_decode import FusedDecode, FusedDecodeStep
+from engine_proc.executor.step_input import StepInput
 from engine_proc.models.llama import LlamaModel
-
-
-@dataclass(slots=True)
-class StepInput:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # flat index of the last token of each sampling sequence
-    sampling_seqs: list[Sequence]
 
 
 class ModelRunner:

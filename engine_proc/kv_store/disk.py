@@ -6,12 +6,11 @@ model and revision, dtype, KV dtype, block size), the block hash, its parent's h
 prompt's first block), the number of token ids, the payload length, the sha256 of the parent hash
 and token ids (the link) and the sha256 of the payload; then the block's token ids (int32,
 little-endian), then the payload: the entry's parts (values, then per-block scales when the cache
-has them). The link is what the tier's KV events name (engine_proc/core/kv_events.py), so a restarted
-engine publishes its disk entries as the same tree: the start-up scan checks the link's checksum
-(cheap), a load checks both. A truncated, corrupt, older-format or foreign entry is a miss
-(logged, and the file is removed when it claims our identity); a failed write (disk full) stops
-disk writes, not serving.
-"""
+has them). The link is what the tier's KV events name (engine_proc/core/kv_events.py), so a
+restarted engine publishes its disk entries as the same tree: the start-up scan checks the link's
+checksum (cheap), a load checks both. A truncated, corrupt, older-format or foreign entry is a miss
+(logged, and the file is removed when it claims our identity); a failed write (disk full) stops disk
+writes, not serving. """
 
 from __future__ import annotations
 

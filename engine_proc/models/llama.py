@@ -215,7 +215,8 @@ class Linear:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         # One fused op, bit-identical to transformers' x * rsqrt(mean(x^2) + eps) * weight in
-        # float32 (tests/engine_proc/engine/test_hf_parity.py would see a last-bit difference in greedy ties).
+        # float32 (tests/engine_proc/engine/test_hf_parity.py would see a last-bit difference in
+        # greedy ties).
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -280,7 +281,8 @@ class LlamaModel:
         self.lm_head_decode: torch.Tensor | None = None  # bf16 copy for decode (int4 mode)
         self.lm_head_decode_rows = 0
         # Logits of up to head_kernel_rows rows by a faster kernel (hidden -> float32 logits),
-        # set by the fused decode step (engine_proc/executor/fused_decode.py); None: the paths below.
+        # set by the fused decode step (engine_proc/executor/fused_decode.py); None: the paths
+        # below.
         self.head_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.head_kernel_rows = 0
         if decode_weights == "int4":

@@ -1,8 +1,7 @@
 """`python -m engine_proc serve`: options, engine construction, start-up lines, signals.
 
-The socket loop itself is engine_proc/server/engine_server.py; this module turns a command line into a running
-EngineServer and prints the start-up lines of docs/PROTOCOL.md section 3.
-"""
+The socket loop itself is engine_proc/server/engine_server.py; this module turns a command line into
+a running EngineServer and prints the start-up lines of docs/PROTOCOL.md section 3."""
 
 from __future__ import annotations
 
@@ -25,8 +24,9 @@ from engine_proc.config import (
     kernel_options,
     kv_tier_options,
 )
+from engine_proc.server.config import ServerConfig
 from engine_proc.server.disagg import ROLES, TRANSFER_FAILURE_POLICIES, DisaggConfig
-from engine_proc.server.engine_server import EngineServer, ServerConfig
+from engine_proc.server.engine_server import EngineServer
 from ipc import endpoints as E
 from ipc import protocol as P
 

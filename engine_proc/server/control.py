@@ -1,6 +1,6 @@
 """The engine server's non-generating requests: tokenize, detokenize and control (live limits,
-prefix caching, pause, shutdown). A mixin of EngineServer (engine_proc/server/engine_server.py), which owns the
-state it reads."""
+prefix caching, pause, shutdown). A mixin of EngineServer (engine_proc/server/engine_server.py),
+which owns the state it reads."""
 
 from __future__ import annotations
 

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
 from engine_proc.kv_transfer.transfer import KVTransferRequest
+from engine_proc.server.config import ServerConfig
 from engine_proc.server.disagg import Disaggregation
 from engine_proc.server.wire import delta_of, finish_of, synthetic_finish
 from ipc import protocol as P
-
-if TYPE_CHECKING:
-    from engine_proc.server.engine_server import ServerConfig
 
 log = logging.getLogger("engine_proc.server")
 

@@ -95,8 +95,8 @@ def live_config_of(cfg: dict[str, Any], paused: bool) -> P.LiveConfig:
 def telemetry_from_snapshot(
     snap: Any, seq: int, paused: bool, num_clients: int, origins: dict[str, str] | None = None
 ) -> P.Telemetry:
-    """engine_proc.engine.telemetry_types.EngineSnapshot -> protocol Telemetry; `origins` maps request
-    ids to the name of the client that sent them."""
+    """engine_proc.engine.telemetry_types.EngineSnapshot -> protocol Telemetry; `origins` maps
+    request ids to the name of the client that sent them."""
     origins = origins or {}
     b = snap.blocks
     return P.Telemetry(

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# The window spawns its own engine at nice 5 (ui/window/main_window.py): the servers and the load run
-# at that priority here too, and the window, the thing whose responsiveness is measured, at 0.
+# The window spawns its own engine at nice 5 (ui/window/main_window.py): the servers and the load
+# run at that priority here too, and the window, the thing whose responsiveness is measured, at 0.
 SERVER_NICE = 5
 
 

@@ -1,0 +1,1 @@
+"""The chat panel: conversations, streamed replies, Stop, Regenerate, sampling controls."""

@@ -4,9 +4,8 @@ the prefill and of the decode engine; MB pulled per second, the mean time of one
 and the pulls pending.
 
 Each engine's column runs on that engine's clock (seconds since its first snapshot), the transfer
-column on the decode engine's. Like ui/charts/engine.py, every plot item is created once and `refresh`
-only calls `setData`; axes move in 5 s steps, titles change at most twice a second.
-"""
+column on the decode engine's. Like ui/charts/engine.py, every plot item is created once and
+`refresh` only calls `setData`; axes move in 5 s steps, titles change at most twice a second. """
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QSizePolicy, QWidget
 
 from ui import theme
 from ui.telemetry import Frame
-from ui.window.status_bar import human_bytes
+from ui.units import human_bytes
 
 TIER_COLOURS = {"pool": theme.SERIES["in_use"], "host": "#3cb44b", "disk": "#f58231"}
 _LINE, _BAR, _PAD = 15, 8, 6  # pixels: a text line, the bar, the margins

@@ -3,9 +3,8 @@ inter-token latency p50 / p90 / p99 over the recent window (from histogram bucke
 hit rate, preemptions, prompt and generation throughput, running / waiting, KV cache usage.
 
 A metric the server does not export gets "not reported by this server" in its title and across
-its plot, never a line at zero. Like ui/charts/engine.py, every plot item is created once and `refresh`
-only calls `setData` (and changes a title only when its text changes).
-"""
+its plot, never a line at zero. Like ui/charts/engine.py, every plot item is created once and
+`refresh` only calls `setData` (and changes a title only when its text changes). """
 
 from __future__ import annotations
 

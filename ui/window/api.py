@@ -4,23 +4,19 @@ HTTP requests in flight. The server itself (an `app serve` child) is ui/window/a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QMessageBox
 
 from ui.telemetry import HTTP_ORIGIN
 from ui.window.api_server import DEFAULT_PORT, SERVING, ApiServerDialog
-
-if TYPE_CHECKING:
-    from ui.window.main_window import MainWindow
+from ui.window.host import WindowHost
 
 
 class ApiToggle(QObject):
     """Slots for the menu item, the dialog and `window.api`'s signals (a QObject, so that
     `sender()` tells a stale dialog from the current one)."""
 
-    def __init__(self, window: MainWindow) -> None:
+    def __init__(self, window: WindowHost) -> None:
         super().__init__(window)
         self.w = window
         self.http_in_flight = 0

@@ -12,7 +12,6 @@ map, then each chart column with the strip), only while they are shown.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject
 
@@ -22,16 +21,15 @@ from ui.disagg.charts import DisaggChartsWidget
 from ui.disagg.panel import DisaggKvPanel
 from ui.disagg.telemetry import TransferHistory
 from ui.telemetry import Frame, History
-from ui.window.status_bar import human_bytes, kv_formula
-
-if TYPE_CHECKING:
-    from ui.window.main_window import MainWindow
+from ui.units import human_bytes
+from ui.window.host import WindowHost
+from ui.window.status_bar import kv_formula
 
 PHASES: tuple[str | int, ...] = (*ROLES, 0, 1, 2)  # the two maps, then the chart columns
 
 
 class DisaggView(QObject):
-    def __init__(self, window: MainWindow) -> None:
+    def __init__(self, window: WindowHost) -> None:
         super().__init__(window)
         self.w = window
         self.panel: DisaggKvPanel | None = None
@@ -188,7 +186,7 @@ class DisaggView(QObject):
 
     def _on_map_selected(self, rid: str) -> None:
         self.highlight(rid or None)
-        self.w._on_block_request_selected(rid)  # its conversation, when it is one of ours
+        self.w.on_block_request_selected(rid)  # its conversation, when it is one of ours
 
     def _on_conversation_selected(self, conv_id: str, rid: str) -> None:
         if self.active and self.w.source.is_remote:

@@ -1,59 +1,26 @@
-"""The main window's engine lifecycle: `EngineSource` says whether we spawn the engine (through
-app.supervisor) or attach to one (`--connect`); either way one `EngineLink` worker thread carries
-all ZeroMQ traffic. Also restart (which *Engine → Decode weights* and *Engine → KV cache*,
-ui/window/options.py, call when the options the engine starts with change), and what happens when
-the engine (or a server watched over HTTP, ui/window/remote.py) fails or stops answering: the
-error banner with its last log lines and Restart."""
+"""The main window's engine lifecycle: `EngineSource` (ui/window/source.py) says whether we spawn
+the engine (through app.supervisor) or attach to one (`--connect`); either way one `EngineLink`
+worker thread carries all ZeroMQ traffic. Also restart (which *Engine → Decode weights* and *Engine
+→ KV cache*, ui/window/options.py, call when the options the engine starts with change), and what
+happens when the engine (or a server watched over HTTP, ui/window/remote.py) fails or stops
+answering: the error banner with its last log lines and Restart."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.remote.probe import is_http_url
 from app.supervisor import (
-    EngineOptions,
     EngineSupervisor,
     engine_command,
 )
 from ui.engine.link import EngineLink
 from ui.window.controls import config_dict
-
-if TYPE_CHECKING:
-    from ui.window.main_window import MainWindow
+from ui.window.host import WindowHost
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineSource:
-    # attach to this endpoint instead of spawning: tcp://... (an engine), http(s)://... (a
-    # server watched over HTTP: ui/remote/link.py), demo://
-    connect: str | None = None
-    options: EngineOptions = field(default_factory=EngineOptions)
-    # Engine command without option flags (tests); `options.to_args()` is appended at start.
-    # Default: engine_command(options).
-    command: list[str] | None = None
-    token: str | None = None
-    api_key: str | None = None  # for an http(s):// server (never stored)
-    # more keyword arguments for ui.remote.link.RemoteLink (tests: a scripted clock, intervals)
-    link_options: dict = field(default_factory=dict)
-    stall_timeout: float = 30.0  # one CPU step under load can take seconds
-    # the spawned engine runs at a lower CPU priority so that, when the cores are contended
-    # (CPU inference), the window stays responsive; 0 = same priority as the GUI
-    engine_nice: int = 5
-
-    @property
-    def is_remote(self) -> bool:
-        """Watching a server over HTTP (not an engine over ZeroMQ)."""
-        return is_http_url(self.connect)
-
-    @property
-    def is_demo(self) -> bool:
-        return bool(self.connect and self.connect.startswith("demo:"))
 
 
 class _SupervisorBridge(QObject):
@@ -68,7 +35,7 @@ class EngineLifecycle(QObject):
     """Starts, links, restarts and gives up on the window's engine. A QObject, so that
     `sender()` tells the current link or supervisor bridge from a replaced one."""
 
-    def __init__(self, window: MainWindow) -> None:
+    def __init__(self, window: WindowHost) -> None:
         super().__init__(window)
         self.w = window
         self.bridge: _SupervisorBridge | None = None

@@ -6,23 +6,21 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, QTimer
 
 from ui.telemetry import Frame
+from ui.window.host import WindowHost
 
 PHASES: tuple[int | str, ...] = (0, "map", 1)  # charts part 0, block map, charts part 1
 
-if TYPE_CHECKING:
-    from ui.window.main_window import MainWindow
 
 
 class TelemetryFeed(QObject):
     """Slots for the link's `replies` and `frames` (a QObject, so that `sender()` tells the
     current link from a replaced one) and the redraw timer."""
 
-    def __init__(self, window: MainWindow, refresh_hz: float) -> None:
+    def __init__(self, window: WindowHost, refresh_hz: float) -> None:
         super().__init__(window)
         self.w = window
         self.frames_seen = 0

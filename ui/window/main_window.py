@@ -66,10 +66,11 @@ from ui.window.api import ApiToggle
 from ui.window.api_server import ApiServer, ApiServerDialog
 from ui.window.connect_dialog import ConnectDialog
 from ui.window.controls import ControlsPanel, LoadPanel, config_dict
-from ui.window.engine import EngineLifecycle, EngineSource
+from ui.window.engine import EngineLifecycle
 from ui.window.feed import TelemetryFeed
 from ui.window.options import EngineOptionMenus
 from ui.window.remote import RemoteWatch
+from ui.window.source import EngineSource
 from ui.window.status_bar import StatusBarView
 
 __all__ = ["EngineSource", "MainWindow", "wait_until"]
@@ -133,7 +134,7 @@ class MainWindow(QMainWindow):
         self.chat.submit.connect(self._on_submit)
         self.chat.abort.connect(self._on_abort)
         self.chat.conversation_selected.connect(self._on_conversation_selected)
-        self.block_map.request_selected.connect(self._on_block_request_selected)
+        self.block_map.request_selected.connect(self.on_block_request_selected)
         self.controls.control.connect(self._on_control)
         self.load_panel.start.connect(self.start_load)
         self.load_panel.stop.connect(lambda: self.link and self.link.stop_load())
@@ -303,7 +304,7 @@ class MainWindow(QMainWindow):
         """*Engine → KV cache → Disk tier*: bytes in <data dir>/kv-cache, 0 = off."""
         self.option_menus.set_kv_disk_bytes(nbytes)
 
-    def _confirm_restart(self, in_flight: int, what: str = "the decode weights") -> bool:
+    def confirm_restart(self, in_flight: int, what: str = "the decode weights") -> bool:
         answer = QMessageBox.question(
             self, "Restart the engine",
             f"Changing {what} restarts the engine: {in_flight} reply(s) in progress "
@@ -353,7 +354,7 @@ class MainWindow(QMainWindow):
         if tracker is not None:
             tracker.wanted = self.kv_tabs.currentWidget() is self.prefix_tree
 
-    def _on_block_request_selected(self, rid: str) -> None:
+    def on_block_request_selected(self, rid: str) -> None:
         """A request picked in the block map: show its conversation when it is one of ours."""
         self.want_highlight = None
         if self.source.is_remote:

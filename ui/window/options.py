@@ -6,16 +6,13 @@ with."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QMenu
 
 from app.supervisor import KV_CACHE_DTYPES, KV_DISK_SUBDIR
-from ui.window.status_bar import short_bytes
-
-if TYPE_CHECKING:
-    from ui.window.main_window import MainWindow
+from ui.units import short_bytes
+from ui.window.host import WindowHost
 
 DECODE_WEIGHT_CHOICES = (
     ("auto", "Automatic (4-bit on a CPU, dense on a GPU)",
@@ -66,7 +63,7 @@ KV_DISK_TIP = ("prefix blocks are written to files in the data directory (kv-cac
 class EngineOptionMenus:
     """Builds the two menus, validates and applies their choices."""
 
-    def __init__(self, window: MainWindow) -> None:
+    def __init__(self, window: WindowHost) -> None:
         self.w = window
         self.kv_menu: QMenu | None = None
         self.kv_actions: dict[str, dict[object, QAction]] = {}
@@ -188,7 +185,7 @@ class EngineOptionMenus:
             self.sync_option_menus()
             return False
         in_flight = len(w.chat.active)
-        if in_flight and not w.source.connect and not w._confirm_restart(in_flight, what):
+        if in_flight and not w.source.connect and not w.confirm_restart(in_flight, what):
             self.sync_option_menus()
             return False
         for k, v in changes.items():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject
 
@@ -21,9 +20,7 @@ from ui.window.api_server import OFF
 from ui.window.connect_dialog import ConnectDialog, recent_urls, remember_url
 from ui.window.controls import config_dict
 from ui.window.disagg import DisaggView
-
-if TYPE_CHECKING:
-    from ui.window.main_window import MainWindow
+from ui.window.host import WindowHost
 
 NEEDS_ZMQ = ("needs the engine protocol: this window watches {url} over HTTP (attach to a KVScope "
              "engine with --connect tcp://HOST:PORT to change its limits)")
@@ -33,7 +30,7 @@ class RemoteWatch(QObject):
     """Slots for the connect dialog and a `RemoteLink` (a QObject, so that `sender()` tells the
     current link or dialog from a replaced one)."""
 
-    def __init__(self, window: MainWindow) -> None:
+    def __init__(self, window: WindowHost) -> None:
         super().__init__(window)
         self.w = window
         # where "back to the local engine" goes: what we were started with, unless it is HTTP

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
 from app.remote.probe import METRIC_LABELS, ServerInfo
 from app.remote.samples import MetricSample
 from ui import theme
+from ui.units import human_bytes, short_bytes
 from ui.window.api_server import OFF, SERVING, WAITING, ApiServer
 
 STATE_COLOURS = {
@@ -26,20 +27,6 @@ KV_DTYPE_TIPS = {
     "fp16": "float16 K/V: 2 bytes per value (the model computes in its own type)",
     "fp32": "float32 K/V: 4 bytes per value (the model computes in its own type)",
 }
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def short_bytes(n: int) -> str:
-    """'256 MiB', '1 GiB', '1.5 GiB' (human_bytes without a needless '.0')."""
-    text = human_bytes(n)
-    return text.replace(".0 ", " ")
 
 
 def kv_formula(model: object) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.api.guard import GuardMiddleware
-from app.api.server import ServerSettings
+from app.api.settings import ServerSettings
 
 
 def _check(settings: ServerSettings, path: str = "/v1/models", **headers: str):

@@ -9,7 +9,8 @@ import asyncio
 import httpx
 import pytest
 
-from app.api.server import EngineLink, ServerSettings, create_app
+from app.api.server import EngineLink, create_app
+from app.api.settings import ServerSettings
 from app.remote.kvscope_http import FrameReader
 from app.router.deployment import DisaggLink
 from ipc import protocol as P

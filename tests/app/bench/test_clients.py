@@ -72,7 +72,8 @@ def _run(system: str, path: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "app.bench.clients", "--system", system, "--workload", str(path),
-         "--threads", "1", "--engine-args", "--engine-factory tests.app.bench.test_clients:tiny_exact",
+         "--threads", "1",
+         "--engine-args", "--engine-factory tests.app.bench.test_clients:tiny_exact",
          "--timeout", "240"],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
     )  # fmt: skip

@@ -18,6 +18,7 @@ from app.bench.stats import summarize_workload
 from app.bench.table import format_table
 from app.bench.workloads import (
     FULL,
+    LONG,
     QUICK,
     WORKLOAD_SYSTEMS,
     Vocab,
@@ -49,7 +50,8 @@ def _q(rid: str, ttft: float | None = None, tpot: float | None = None) -> dict:
 
 
 def test_tiered_rotates_16_distinct_prompts_over_a_pool_that_holds_4() -> None:
-    w = make_workload("tiered", FULL, 0, VOCAB)
+    """--long's sizes; the default ones are the same shape, smaller (checked below)."""
+    w = make_workload("tiered", LONG, 0, VOCAB)
     reqs, meta = w["requests"], w["meta"]
     assert WORKLOAD_SYSTEMS["tiered"] == ("kvscope-recompute", "kvscope-host", "kvscope-disk")
     assert len(reqs) == 24 and meta["prompts"] == 16
@@ -69,8 +71,18 @@ def test_tiered_rotates_16_distinct_prompts_over_a_pool_that_holds_4() -> None:
     assert meta["tier_blocks"] >= 16 * 125  # the tiers hold every system prompt
 
 
+def test_default_tier_workloads_are_the_long_ones_scaled_down() -> None:
+    w = make_workload("tiered", FULL, 0, VOCAB)
+    assert len(w["requests"]) == 12 and w["meta"]["prompts"] == 6
+    assert all(len(r["prompt"]) == 1024 + 8 for r in w["requests"])
+    # 1,032 prompt tokens + 1 output = 65 blocks of 16; a pool of 2 such requests
+    assert w["engine"] == {"block_size": 16, "num_kv_blocks": 2 * 65}
+    r = make_workload("restart", FULL, 0, VOCAB)
+    assert [len(q["prompt"]) for q in r["requests"]] == [1024] * 4
+
+
 def test_restart_serves_the_primed_prompts_again() -> None:
-    w = make_workload("restart", FULL, 0, VOCAB)
+    w = make_workload("restart", LONG, 0, VOCAB)
     by_id, meta = _by_id(w), w["meta"]
     assert WORKLOAD_SYSTEMS["restart"] == ("kvscope-recompute", "kvscope-disk")
     assert meta["prime"] == ["p0", "p1"] and meta["measured"] == ["r0", "r1"]

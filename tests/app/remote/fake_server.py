@@ -51,6 +51,7 @@ class FakeServer:
         self.chat = chat or ChatScript()
         self.lock = threading.Lock()
         self.metrics_requests = 0
+        self.metrics_in_flight = 0  # scrapes being answered right now
         self.chat_bodies: list[dict] = []
         self.streams_open = 0
         self.max_streams_open = 0
@@ -120,18 +121,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             with f.lock:
                 i = f.metrics_requests
                 f.metrics_requests += 1
-            if f.metrics_delay:
-                time.sleep(f.metrics_delay)
-            if f.metrics_status != 200:
-                self._send(f.metrics_status, b"not found", "text/plain")
-            elif f.metrics_raw is not None:
-                self._send(200, f.metrics_raw, "text/plain")
-            elif f.metrics:
-                text = f.metrics[min(i, len(f.metrics) - 1)]
-                self._send(200, text.encode(), "text/plain; version=0.0.4")
-            else:
-                self._send(404, b"no metrics", "text/plain")
+                f.metrics_in_flight += 1
+            try:
+                self._send_metrics(i)
+            finally:
+                with f.lock:
+                    f.metrics_in_flight -= 1
             return
+        self._get_other()
+
+    def _send_metrics(self, i: int) -> None:
+        f = self.fake
+        if f.metrics_delay:
+            time.sleep(f.metrics_delay)
+        if f.metrics_status != 200:
+            self._send(f.metrics_status, b"not found", "text/plain")
+        elif f.metrics_raw is not None:
+            self._send(200, f.metrics_raw, "text/plain")
+        elif f.metrics:
+            text = f.metrics[min(i, len(f.metrics) - 1)]
+            self._send(200, text.encode(), "text/plain; version=0.0.4")
+        else:
+            self._send(404, b"no metrics", "text/plain")
+
+    def _get_other(self) -> None:
+        f = self.fake
         if self.path == "/v1/models":
             if not self._authorized():
                 return

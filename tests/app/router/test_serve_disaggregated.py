@@ -9,8 +9,8 @@ import httpx
 import pytest
 import torch
 
-from app.api.serve import build_parser, check_security
 from app.router.router import split_threads
+from app.serve import build_parser, check_security
 from tests.app.api.helpers import API_KEY, ServeProc
 from tests.tiny_models import hf_reference_model
 

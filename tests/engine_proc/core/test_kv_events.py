@@ -1,10 +1,11 @@
-"""KV cache events (engine_proc/core/kv_events.py -> engine_proc/server/wire.py -> ipc/kv_events.py): the
-prefix tree a subscriber rebuilds from the published events equals, after every engine step, the
-tree read straight from the engine's state (each pool block's hash and parent hash, and which of
-the host and disk tiers' indexes hold each hash), through evictions into the tiers, loads back,
-flushes, caching toggles, corrupt disk entries, engine restarts over the same disk tier, lost
-batches and replays; and a full replay rebuilds the same tree. Every parent hash and token list
-is also checked independently: the block's hash recomputed from them must be the block's hash."""
+"""KV cache events (engine_proc/core/kv_events.py -> engine_proc/server/wire.py ->
+ipc/kv_events.py): the prefix tree a subscriber rebuilds from the published events equals, after
+every engine step, the tree read straight from the engine's state (each pool block's hash and parent
+hash, and which of the host and disk tiers' indexes hold each hash), through evictions into the
+tiers, loads back, flushes, caching toggles, corrupt disk entries, engine restarts over the same
+disk tier, lost batches and replays; and a full replay rebuilds the same tree. Every parent hash and
+token list is also checked independently: the block's hash recomputed from them must be the block's
+hash."""
 
 from __future__ import annotations
 

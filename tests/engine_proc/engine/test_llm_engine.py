@@ -1,7 +1,7 @@
 """Engine core II: prefix caching, chunked prefill, preemption, parallel sampling and seeds,
 each checked against an independent run or recount. A tiny random model with the default
-model's tokenizer and chat template keeps these fast; tests/engine_proc/engine/test_hf_parity.py covers the
-default model itself."""
+model's tokenizer and chat template keeps these fast; tests/engine_proc/engine/test_hf_parity.py
+covers the default model itself."""
 
 import random
 

@@ -1,11 +1,12 @@
-"""The fused CPU decode step (engine_proc/executor/fused_decode.py, engine_proc/native/fused_decode.cpp).
+"""The fused CPU decode step (engine_proc/executor/fused_decode.py,
+engine_proc/native/fused_decode.cpp).
 
 The quick tests check the option and the fallbacks without compiling anything. The slow ones
 compile the extension once (into the suite's own cache dir; `extension` in tests/conftest.py)
 and check greedy decoding through it against the float64 reference of the int4 arithmetic
-(tests/engine_proc/models/test_int4.py), under both bf16 arithmetics: narrow steps on our kernels are the dense
-model's float32 products, wide ones (and torch's kernel) bfloat16-activation products. Its
-kernels one by one: tests/engine_proc/executor/test_fused_decode_kernels.py."""
+(tests/engine_proc/models/test_int4.py), under both bf16 arithmetics: narrow steps on our kernels
+are the dense model's float32 products, wide ones (and torch's kernel) bfloat16-activation products.
+Its kernels one by one: tests/engine_proc/executor/test_fused_decode_kernels.py."""
 
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def fd_params():
 
 
 def _products(step: fd.FusedDecodeStep, rows: int) -> str:
-    """What a fused step of ``rows`` rows computes (tests/engine_proc/models/test_int4.py: DECODE_PRODUCTS)."""
+    """What a fused step of ``rows`` rows computes (tests/engine_proc/models/test_int4.py:
+    DECODE_PRODUCTS)."""
     if step.int4_kernel == "torch":
         return "bf16"
     if rows <= step.precise_rows:

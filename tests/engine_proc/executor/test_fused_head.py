@@ -1,5 +1,5 @@
-"""The fused step's output projection (engine_proc/executor/fused_head.py): which head kernel computes
-narrow and wide steps' logits, and greedy decoding through the exact 8-bit head against the
+"""The fused step's output projection (engine_proc/executor/fused_head.py): which head kernel
+computes narrow and wide steps' logits, and greedy decoding through the exact 8-bit head against the
 float64 reference. Its kernels one by one: tests/engine_proc/executor/test_head_q8_kernels.py."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Lower KV tiers (engine_proc/kv_store/tiers.py): host and disk tiers below the pool, write-back on
 eviction, lookups pool -> host -> disk, entries that persist across engine restarts, for the
-model-dtype and the int8 KV cache. The tiers' parts: tests/engine_proc/kv_store/test_entry.py (what an entry
-holds) and tests/engine_proc/kv_store/test_disk.py (the disk format).
+model-dtype and the int8 KV cache. The tiers' parts: tests/engine_proc/kv_store/test_entry.py (what
+an entry holds) and tests/engine_proc/kv_store/test_disk.py (the disk format).
 
 Outputs are checked against transformers' greedy generation and against an engine without
 prefix caching (which recomputes everything) or without tiers."""
@@ -34,7 +34,8 @@ def test_model_fingerprint_is_the_same_in_every_process(tmp_path):
     f = tmp_path / "model.gguf"
     f.write_bytes(os.urandom(200_000))
     code = (
-        f"from engine_proc.kv_store.tiers import model_fingerprint\nprint(model_fingerprint({str(f)!r}))"
+        "from engine_proc.kv_store.tiers import model_fingerprint\n"
+        f"print(model_fingerprint({str(f)!r}))"
     )
     outs = set()
     for seed in ("0", "77"):

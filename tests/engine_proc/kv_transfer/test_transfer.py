@@ -1,6 +1,6 @@
-"""The engine's half of prefill/decode disaggregation (engine_proc/kv_transfer/transfer.py), two engines
-in one process and no sockets: a prefill engine leases a prompt's blocks, a decode engine adopts
-their bytes and continues after the first token.
+"""The engine's half of prefill/decode disaggregation (engine_proc/kv_transfer/transfer.py), two
+engines in one process and no sockets: a prefill engine leases a prompt's blocks, a decode engine
+adopts their bytes and continues after the first token.
 
 Outputs are checked against transformers (greedy) and against the sampler's contract replayed on
 transformers' logits (seeded sampling); block accounting by recounting the pools."""

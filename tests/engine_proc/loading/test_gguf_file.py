@@ -1,5 +1,6 @@
-"""engine_proc/loading/gguf_file.py: torch dequantization of llama.cpp block formats, bit for bit what
-gguf.quants (llama.cpp's own Python reference) gives, on random data and on the default GGUF."""
+"""engine_proc/loading/gguf_file.py: torch dequantization of llama.cpp block formats, bit for bit
+what gguf.quants (llama.cpp's own Python reference) gives, on random data and on the default
+GGUF."""
 
 from __future__ import annotations
 

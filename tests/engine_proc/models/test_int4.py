@@ -284,9 +284,9 @@ def check_greedy_decoding_against_reference(
     """The body of the test above, for an int4 engine over ``ck`` (default snapped_checkpoint())
     whose logits of up to ``bf16_head_rows`` rows (default: BF16_HEAD_ROWS) come from the bf16
     output projection and whose decode products compute ``decode_products`` (one of
-    DECODE_PRODUCTS); also run with the fused decode step (tests/engine_proc/executor/test_fused_decode.py).
-    kv_transform: what the engine's KV cache stores of K and V (float64_llama.llama_forward's
-    argument; None: exact)."""
+    DECODE_PRODUCTS); also run with the fused decode step
+    (tests/engine_proc/executor/test_fused_decode.py). kv_transform: what the engine's KV cache
+    stores of K and V (float64_llama.llama_forward's argument; None: exact)."""
     assert decode_products in DECODE_PRODUCTS, decode_products
     ck = ck or snapped_checkpoint()
     if bf16_head_rows is None:

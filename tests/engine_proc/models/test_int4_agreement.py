@@ -1,8 +1,8 @@
 """The README's claim about 4-bit decode weights, measured: the default model with
 decode_weights="int4" against transformers' dense greedy replies (tests/conftest.py's
-parity_references) on the parity prompts of tests/engine_proc/engine/test_hf_parity.py, 48 tokens, over the
-engine's default KV cache (float16 on AVX512-BF16 CPUs, float32 elsewhere: attention/kv_quant.py
-resolve_kv_cache_dtype).
+parity_references) on the parity prompts of tests/engine_proc/engine/test_hf_parity.py, 48 tokens,
+over the engine's default KV cache (float16 on AVX512-BF16 CPUs, float32 elsewhere:
+attention/kv_quant.py resolve_kv_cache_dtype).
 
 The fused decode step (the app's CPU default) on our 4-bit kernels: narrow steps take the
 activations as bfloat16 pairs and the GGUF's scales exactly, so they compute the dense model's

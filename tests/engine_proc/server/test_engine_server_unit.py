@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from engine_proc import server as server_module
-from engine_proc.server.engine_server import EngineServer, ServerConfig
+from engine_proc.server import engine_server as server_module
+from engine_proc.server.config import ServerConfig
+from engine_proc.server.engine_server import EngineServer
 from ipc import client as client_module
 from ipc import connection as connection_module
 from ipc import protocol as P
@@ -91,9 +92,9 @@ def test_remote_bind_refused_without_flag() -> None:
 
 
 class FrozenClock:
-    """The server's clock (engine_proc.server.engine_server's time.monotonic), moved only by the test: client
-    silence is measured on it, so liveness is checked with no wall-clock timing. Its values are
-    multiples of 1/8, exact in binary floating point."""
+    """The server's clock (engine_proc.server.engine_server's time.monotonic), moved only by the
+    test: client silence is measured on it, so liveness is checked with no wall-clock timing. Its
+    values are multiples of 1/8, exact in binary floating point."""
 
     def __init__(self) -> None:
         self.now = 1024.0

@@ -144,13 +144,13 @@ def test_replies_in_flight_are_asked_about_first(spawned, monkeypatch):
     w = spawned
     w.chat.active["r1"] = ("c", None, {})  # a reply in progress
     asked: list[tuple[int, str]] = []
-    monkeypatch.setattr(w, "_confirm_restart", lambda n, what: asked.append((n, what)) or False)
+    monkeypatch.setattr(w, "confirm_restart", lambda n, what: asked.append((n, what)) or False)
     w.kv_cache_actions["host"][256 * MIB].trigger()
     assert asked == [(1, "the host memory tier")] and not w.restarts
     assert w.kv_cache_actions["host"][0].isChecked()  # the menu shows what still runs
     assert w.source.options.kv_host_memory is None
     assert w.settings.value("engine/kv_host_memory") is None
-    monkeypatch.setattr(w, "_confirm_restart", lambda n, what: True)
+    monkeypatch.setattr(w, "confirm_restart", lambda n, what: True)
     w.kv_cache_actions["host"][256 * MIB].trigger()
     assert _flag(w.restarts[-1], "--kv-host-memory") == str(256 * MIB)
     del w.chat.active["r1"]

@@ -243,7 +243,7 @@ def test_decode_weights_menu_restarts_the_engine_with_int4(win, qtbot, monkeypat
     conv = win.chat.current
     qtbot.waitUntil(lambda: len(conv.messages[-1].content) > 0, timeout=60_000)
     asked: list[int] = []
-    monkeypatch.setattr(win, "_confirm_restart", lambda n, what: asked.append(n) or False)
+    monkeypatch.setattr(win, "confirm_restart", lambda n, what: asked.append(n) or False)
     before = win.welcome
     win.decode_weight_actions["int4"].trigger()
     assert asked == [1] and win.decode_weight_actions["dense"].isChecked()
