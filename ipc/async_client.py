@@ -372,6 +372,11 @@ class AsyncEngineClient:
             with contextlib.suppress(zmq.ZMQError, EngineError):
                 await self._send(P.Heartbeat(time=time.monotonic()))
 
+    def lost(self, why: str) -> None:
+        """The engine is known to be gone (its supervisor saw the process exit): every request
+        in flight ends now with ERR_ENGINE_GONE instead of after the heartbeat silence."""
+        self._mark_gone(why)
+
     def _mark_gone(self, why: str, state: str = "gone") -> None:
         if self.state in ("gone", "closed"):
             self.state = "closed" if state == "closed" else self.state

@@ -67,15 +67,28 @@ def hf_greedy(hf_default_model):
 
 
 @pytest.fixture(scope="session")
-def parity_references(default_engine_factory, hf_greedy):
-    """tests/engine_proc/engine/test_hf_parity.py's prompts as token ids, with transformers' greedy
-    replies to them (PARITY_TOKENS tokens at most, ending at EOS): computed once, for every test
-    comparing the default model's replies with the dense reference."""
+def parity_references(request, default_engine_factory):
+    """tests/engine_proc/engine/test_hf_parity.py's prompts as token ids, with transformers'
+    greedy replies to them (PARITY_TOKENS tokens at most, ending at EOS): computed once per
+    suite run (the suite's cache dir, shared by pytest-xdist's workers: the first computes them,
+    the others wait and read), for every test comparing the default model's replies with the
+    dense reference."""
+    import json
+    from pathlib import Path
+
+    from filelock import FileLock
+
     from tests.engine_proc.engine.test_hf_parity import PARITY_TOKENS, PROMPTS
 
-    engine = default_engine_factory(dtype="float32")
-    ids = [engine.tokenize(p) for p in PROMPTS]
-    return ids, [hf_greedy(i, PARITY_TOKENS) for i in ids]
+    path = Path(os.environ["KVSCOPE_CACHE_DIR"]) / "parity_references.json"
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            engine = default_engine_factory(dtype="float32")
+            ids = [engine.tokenize(p) for p in PROMPTS]
+            hf_greedy = request.getfixturevalue("hf_greedy")
+            path.write_text(json.dumps([ids, [hf_greedy(i, PARITY_TOKENS) for i in ids]]))
+        ids, replies = json.loads(path.read_text())
+    return ids, replies
 
 
 @pytest.fixture(params=[False, True], ids=["emulated-bf16", "native-bf16"])

@@ -4,14 +4,20 @@ exercise scheduling and caching rather than a real vocabulary."""
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 
 class CharTokenizer:
@@ -31,6 +37,8 @@ class CharTokenizer:
 def tiny_hf_model(
     vocab_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2, layers: int = 2, seed: int = 0
 ) -> LlamaForCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
@@ -50,29 +58,58 @@ def tiny_hf_model(
     return model
 
 
-def tiny_checkpoint(**kwargs: int) -> SimpleNamespace:
+def _tiny_parts(**kwargs: int) -> dict:
+    """The tiny model's config values and weights. Engine processes the suite spawns build the
+    same model again and again; the first one in a session saves it in the suite's cache dir
+    (tests/conftest.py sets KVSCOPE_CACHE_DIR, inherited by every child), and the others load
+    those very tensors without importing transformers (about a second of CPU per engine)."""
+    cache_root = os.environ.get("KVSCOPE_CACHE_DIR")
+    path = None
+    if cache_root:
+        path = Path(cache_root) / "tiny-models" / f"llama-{sorted(kwargs.items())}.pt"
+        if path.exists():
+            return torch.load(path, weights_only=True)
     hf = tiny_hf_model(**kwargs)
     c = hf.config
+    parts = {
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_layers": c.num_hidden_layers,
+        "num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_parameters["rope_theta"],
+        "max_position_embeddings": c.max_position_embeddings,
+        "weights": {k: v.detach().clone() for k, v in hf.state_dict().items()},
+    }  # fmt: skip
+    if path is not None:  # written whole, then renamed: a reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        torch.save(parts, tmp)
+        os.replace(tmp, path)
+    return parts
+
+
+def tiny_checkpoint(**kwargs: int) -> SimpleNamespace:
+    parts = _tiny_parts(**kwargs)
     config = ModelConfig(
         architecture="LlamaForCausalLM",
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_parameters["rope_theta"],
-        max_position_embeddings=c.max_position_embeddings,
+        vocab_size=parts["vocab_size"],
+        hidden_size=parts["hidden_size"],
+        intermediate_size=parts["intermediate_size"],
+        num_layers=parts["num_layers"],
+        num_heads=parts["num_heads"],
+        num_kv_heads=parts["num_kv_heads"],
+        head_dim=parts["hidden_size"] // parts["num_heads"],
+        rms_norm_eps=parts["rms_norm_eps"],
+        rope_theta=parts["rope_theta"],
+        max_position_embeddings=parts["max_position_embeddings"],
         tie_word_embeddings=False,
         attention_bias=False,
         eos_token_ids=(),
     )
     return SimpleNamespace(
         config=config,
-        weights={k: v.detach().clone() for k, v in hf.state_dict().items()},
-        tokenizer=CharTokenizer(c.vocab_size),
+        weights=parts["weights"],
+        tokenizer=CharTokenizer(parts["vocab_size"]),
         model_id=f"tiny-{sorted(kwargs.items())}",
         display_name="tiny random llama",
     )

@@ -73,6 +73,8 @@ class EngineLink:
 
     def mark_gone(self, why: str) -> None:
         self.status, self.detail = "gone", why
+        if self.client is not None:  # its streams end now, not after the heartbeat silence
+            self.client.lost(why)
 
 
 # ------------------------------------------------------------------ the app

@@ -115,8 +115,8 @@ def test_int8_workloads_fix_the_pool_bytes_for_both_kv_dtypes() -> None:
     assert len(r["prompt"]) + r["max_tokens"] == dec["meta"]["context"] == 4096
 
 
-@pytest.mark.parametrize("field, value", [("tiered_requests", 16), ("tiered_user", 0),
-                                          ("tiered_user", 16), ("tiered_pool_prompts", 16),
+@pytest.mark.parametrize("field, value", [("tiered_requests", 6), ("tiered_user", 0),
+                                          ("tiered_user", 16), ("tiered_pool_prompts", 6),
                                           ("tiered_pool_prompts", 0)])
 def test_bad_tiered_sizes_name_the_field(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
