@@ -187,7 +187,9 @@ def test_chat_streams_with_its_reply_line(open_window, qtbot):
         win.chat.max_tokens.setValue(5)
         _send(win, "What is a block?")
         reply = win.chat.current.messages[-1]
-        qtbot.waitUntil(lambda: not win.chat.busy(), timeout=20_000)
+        # `batches` is a second receiver of the same signal: wait for it as well as the panel
+        qtbot.waitUntil(lambda: not win.chat.busy() and batches and batches[-1][-1] == "Finish",
+                        timeout=20_000)
         assert reply.content == "Paged blocks hold keys." and not reply.interrupted
         assert len(batches) >= 2 and batches[-1][-1] == "Finish"  # streamed, not one blob
         line = win.chat._view_for(reply).stats.text()
