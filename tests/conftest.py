@@ -94,12 +94,12 @@ def parity_references(request, default_engine_factory):
 @pytest.fixture(params=[False, True], ids=["emulated-bf16", "native-bf16"])
 def native_bf16(request, monkeypatch):
     """Both bf16 arithmetics of the model on any CPU: engines built in the test see this value
-    instead of the CPU's flags (models.llama.cpu_has_native_bf16), which decide whether bf16
+    instead of the CPU's flags (models.layers.cpu_has_native_bf16), which decide whether bf16
     products of more than 2 rows run upcast to float32 and up to how many rows the int4 mode's
     bf16 output projection is used."""
-    from engine_proc.models import llama
+    from engine_proc.models import layers
 
-    monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: request.param)
+    monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda: request.param)
     return request.param
 
 

@@ -28,7 +28,7 @@ import torch
 TOKENIZER_VOCAB_SIZE = 49152
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
     "factor": 4.0,
@@ -83,13 +83,19 @@ def tiny_model_dir(
     max_position_embeddings: int = 512,
     rope_theta: float = 10000.0,
     rope_scaling: str | dict | None = None,
+    sliding_window: int | None = None,
+    layer_types: tuple[str, ...] | None = None,
+    query_pre_attn_scalar: int | None = None,
     seed: int = 0,
 ) -> Path:
     """Build (once per parameter set and session) a tiny HF checkpoint directory; return its path.
 
     num_kv_heads == num_heads is MHA, 1 is MQA, anything between is GQA. attention_bias
     defaults to the architecture's own (Qwen2: q/k/v biases, Llama: none). rope_scaling: None,
-    "llama3" (LLAMA3_ROPE_SCALING) or an HF-style dict.
+    "llama3" (LLAMA3_ROPE_SCALING) or an HF-style dict. sliding_window: on every layer (mistral;
+    qwen2/qwen3 turn on use_sliding_window) or on the sliding ones of `layer_types` (gemma3, whose
+    default is sliding then full, alternating; and qwen2/qwen3). query_pre_attn_scalar: gemma3's
+    (default head_dim, as the released models but the 27B; GGUF has no key for it).
     """
     params = dict(locals())
     key = json.dumps(params, sort_keys=True)
@@ -146,6 +152,8 @@ def _validate(
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
+    if architecture in ("qwen3", "mistral", "gemma3") and attention_bias:
+        raise ValueError(f"{architecture} has no q/k/v biases the engine runs (only qwen2's)")
     if architecture == "qwen2" and attention_bias is False:
         raise ValueError("qwen2 always has q/k/v biases: attention_bias must be None or True")
     if architecture == "llama" and attention_bias:
@@ -170,9 +178,18 @@ def _hf_config(
     max_position_embeddings: int,
     rope_theta: float,
     rope_scaling: str | dict | None,
+    sliding_window: int | None,
+    layer_types: tuple[str, ...] | None,
+    query_pre_attn_scalar: int | None,
     seed: int,
 ) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling is not None:
@@ -193,11 +210,30 @@ def _hf_config(
         eos_token_id=EOS_TOKEN_ID,
         rope_parameters=rope,
     )
+    window = {"use_sliding_window": sliding_window is not None, "sliding_window": sliding_window}
+    if layer_types is not None:
+        window["layer_types"] = list(layer_types)
     if architecture == "llama":
         config = LlamaConfig(attention_bias=False, **common)
+    elif architecture == "qwen2":
+        config = Qwen2Config(**window, **common)
+    elif architecture == "qwen3":
+        config = Qwen3Config(attention_bias=False, **window, **common)
+    elif architecture == "mistral":
+        config = MistralConfig(sliding_window=sliding_window, **common)
     else:
-        config = Qwen2Config(use_sliding_window=False, **common)
-    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        types = layer_types or tuple("full_attention" if i % 2 else "sliding_attention"
+                                     for i in range(num_layers))  # fmt: skip
+        common["rope_parameters"] = {"full_attention": rope,
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": rope_theta / 10}}
+        config = Gemma3TextConfig(sliding_window=sliding_window or 4096, layer_types=list(types),
+                                  query_pre_attn_scalar=query_pre_attn_scalar or head_dim,
+                                  hidden_activation="gelu_pytorch_tanh",
+                                  pad_token_id=0, **common)  # fmt: skip
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+             "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
     config.architectures = [names[architecture]]
     return config
 
@@ -241,6 +277,18 @@ _GGUF_LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 3 (llama.cpp conversion/gemma.py): the sandwich norms, and ffn_norm is the pre-MLP one
+_GGUF_GEMMA3_LAYER = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_GGUF_QK_NORM = {
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+              "gemma3_text": "gemma3"}  # fmt: skip
 _GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -281,17 +329,20 @@ def _write_gguf(hf_dir: Path, out: Path) -> None:
     from safetensors.numpy import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = config["model_type"]
-    assert arch in ARCHITECTURES, arch
+    arch = _GGUF_ARCH[config["model_type"]]
     tensors = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config["head_dim"]
     rope = config["rope_parameters"]
+    if arch == "gemma3":
+        rope = rope["full_attention"]
+    if arch == "llama" and config.get("sliding_window"):
+        raise ValueError("llama.cpp keeps no sliding window for Mistral: write it without one")
 
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name(f"tiny-{arch}")
+    writer.add_name(f"tiny-{config['model_type']}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -304,11 +355,19 @@ def _write_gguf(hf_dir: Path, out: Path) -> None:
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "gemma3":
+        # the window, the local base (conversion/base.py add_rope_freq_base_swa) and, since the
+        # tiny models alternate instead of llama.cpp's default of one global layer in six, the
+        # per-layer flags llama.cpp's load_swa_pattern reads
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_rope_freq_base_swa(config["rope_parameters"]["sliding_attention"]["rope_theta"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
     _add_tokenizer(writer, hf_dir)
 
     if rope.get("rope_type") == "llama3":
         freqs = _llama_cpp_rope_freqs(rope, rope["rope_theta"], head_dim)
         writer.add_tensor("rope_freqs.weight", freqs)
+    layer_names = _GGUF_LAYER | _GGUF_QK_NORM | (_GGUF_GEMMA3_LAYER if arch == "gemma3" else {})
     for name, value in tensors.items():
         if config["tie_word_embeddings"] and name == "lm_head.weight":
             continue
@@ -316,8 +375,10 @@ def _write_gguf(hf_dir: Path, out: Path) -> None:
             gguf_name = _GGUF_GLOBAL[name]
         else:
             _, _, layer, rest = name.split(".", 3)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+            gguf_name = f"blk.{layer}.{layer_names[rest]}"
         value = np.ascontiguousarray(value, dtype=np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + np.float32(1.0)  # Gemma3Model.norm_shift: llama.cpp stores 1 + w
         if arch == "llama" and ".attn_q." in gguf_name:
             value = _llama_cpp_permute(value, heads)
         elif arch == "llama" and ".attn_k." in gguf_name:

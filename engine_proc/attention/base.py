@@ -4,7 +4,8 @@ prompt chunks whose earlier context is already cached, and fresh prompts.
 Layout of one layer's cache: k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
 A slot is block_id * block_size + offset. Token i of sequence s sits at position
 seq_lens[s] - query_len[s] + i and attends causally to positions 0..that position of its
-sequence, read through block_tables[s] (padded with -1, which kernels must never read).
+sequence, read through block_tables[s] (padded with -1, which kernels must never read); in a
+sliding-window layer only to the last `window` of those positions.
 """
 
 from __future__ import annotations
@@ -56,4 +57,5 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # a sliding-window layer's window (keys, itself included)
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim], dtype of query

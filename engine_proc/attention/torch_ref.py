@@ -6,7 +6,8 @@ model): writes round into it, reads widen back to the query's dtype.
 Decode tokens (query length 1) of all sequences are served by one batched call over K/V gathered
 through the block tables; each prompt chunk gets its own call with a causal mask offset by its
 cached context. Index tensors and masks are built once per step (the plan) and reused by every
-layer.
+layer; a sliding-window layer (a query sees its own and the window - 1 positions before it) gets
+a plan of its own with the window in its masks.
 """
 
 from __future__ import annotations
@@ -70,10 +71,13 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        plan = meta.backend_plan.get(self.name)
+        key = self.name if window is None else f"{self.name}/window{window}"
+        plan = meta.backend_plan.get(key)
         if plan is None:
-            plan = meta.backend_plan[self.name] = _make_plan(meta, k_cache.shape[1], query.device)
+            plan = meta.backend_plan[key] = _make_plan(meta, k_cache.shape[1], query.device,
+                                                       window)  # fmt: skip
         out = torch.empty_like(query)
         for p in plan.prefills:
             k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len].to(query.dtype)
@@ -102,7 +106,8 @@ class TorchAttentionBackend:
         return out
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device,
+               window: int | None = None) -> _Plan:  # fmt: skip
     prefills: list[_Prefill] = []
     decode_rows: list[int] = []
     start = 0
@@ -113,16 +118,20 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
             blocks = meta.block_tables[s, : -(-seq_len // block_size)]
             context = seq_len - q_len
             mask = None
-            if context:
-                q_pos = torch.arange(context, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            if context or (window is not None and window < seq_len):
+                q_pos = torch.arange(context, seq_len, device=device)[:, None]
+                k_pos = torch.arange(seq_len, device=device)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
             prefills.append(_Prefill(start, q_len, blocks, seq_len, mask))
         start += q_len
-    return _Plan(prefills, _decode_plan(meta, decode_rows, block_size, device))
+    return _Plan(prefills, _decode_plan(meta, decode_rows, block_size, device, window))
 
 
 def _decode_plan(
-    meta: AttentionMetadata, rows: list[int], block_size: int, device: torch.device
+    meta: AttentionMetadata, rows: list[int], block_size: int, device: torch.device,
+    window: int | None = None,
 ) -> _Decode | None:
     if not rows:
         return None
@@ -131,9 +140,14 @@ def _decode_plan(
     rows_t = torch.tensor(rows, device=device)
     tables = meta.block_tables[rows_t, : -(-max_len // block_size)].clamp(min=0)
     mask = None  # equal lengths (a single stream, always): SDPA's unmasked kernel is faster
-    if min(seq_lens) < max_len:
-        lens = torch.tensor(seq_lens, device=device)
-        mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+    windowed = window is not None and window < max_len
+    if min(seq_lens) < max_len or windowed:
+        lens = torch.tensor(seq_lens, device=device)[:, None]
+        k_pos = torch.arange(max_len, device=device)[None, :]
+        visible = k_pos < lens
+        if windowed:
+            visible &= k_pos >= lens - window
+        mask = visible[:, None, None, :]
     all_rows = len(rows) == len(meta.query_lens_cpu) == sum(meta.query_lens_cpu)
     token_idx = None if all_rows else meta.query_start_loc[rows_t + 1].long() - 1
     return _Decode(token_idx, tables.contiguous(), max_len, mask)

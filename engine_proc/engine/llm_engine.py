@@ -112,7 +112,15 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             kv_cache.nbytes / 2**20,
         )
         self.num_blocks = num_blocks
-        self.backend = select_backend(config.attention_backend, self.device, kv_dtype)
+        attention_backend = config.attention_backend
+        if self.model_config.has_sliding_layers and self.device.type == "cuda":
+            if attention_backend == "triton":
+                raise ValueError("attention_backend='triton' has no sliding-window layers yet "
+                                 f"({self.model_config.architecture}); use 'torch' or 'auto'")
+            logger.warning("%s has sliding-window layers, which the Triton kernels do not "
+                           "mask yet: using torch attention", self.model_config.architecture)
+            attention_backend = "torch"
+        self.backend = select_backend(attention_backend, self.device, kv_dtype)
         self.runner = ModelRunner(
             self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,
             decode_step=config.decode_step,

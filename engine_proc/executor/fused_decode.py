@@ -34,6 +34,7 @@ import torch
 from engine_proc.attention.base import AttentionMetadata
 from engine_proc.config import SUPPORTED_DECODE_STEPS
 from engine_proc.executor import fused_build, fused_head
+from engine_proc.models.config import ModelConfig
 from engine_proc.models.int4 import Int4Weight
 from engine_proc.models.llama import LlamaLayer, LlamaModel
 
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool) -> str | None:
     """Why the fused step cannot serve this engine, or None when it can."""
+    why = architecture_unsupported_reason(model.config)
+    if why is not None:
+        return why
     if model.decode_weights != "int4":
         return "needs decode_weights='int4'"
     if model.dtype != torch.float32 or kv_quantized or kv_cache.dtype not in (
@@ -50,6 +54,24 @@ def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: 
     if kv_cache.device.type != "cpu":
         return "runs on the CPU only"
     return fused_build.build_unavailable_reason()
+
+
+def architecture_unsupported_reason(config: ModelConfig) -> str | None:
+    """The fused C++ step computes Llama's layer (with Qwen2's q/k/v biases): what else a family
+    adds it cannot express yet, and those models decode eagerly."""
+    features = [
+        (config.qk_norm, "q/k norms"),
+        (config.has_sliding_layers, "sliding-window layers"),
+        (config.sandwich_norms, "sandwich norms"),
+        (config.hidden_act != "silu", f"a {config.hidden_act} MLP"),
+        (config.embed_scale is not None, "scaled embeddings"),
+        (config.query_scale is not None, "an attention scale other than 1/sqrt(head_dim)"),
+        (config.rope_local_theta is not None, "a local rotary base"),
+    ]
+    missing = [name for present, name in features if present]
+    if missing:
+        return f"has no {', '.join(missing)} ({config.architecture})"
+    return None
 
 
 # 4-bit product kernels (the C++ Int4Kernel enum, in order): torch's own; ours, reading torch's

@@ -11,13 +11,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_proc.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine_proc.models.config import ModelConfig
+from engine_proc.models.registry import (
+    extra_layer_weights,
+    supported_gguf_architectures,
+    supported_hf_architectures,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# GGUF `general.architecture` values we can map onto SUPPORTED_ARCHITECTURES.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = supported_hf_architectures()
+SUPPORTED_GGUF_ARCHITECTURES = supported_gguf_architectures()
 
 ACCEPTED_MODELS = (
     "None (the default SmolLM2-135M-Instruct GGUF), a path to a local .gguf file "
@@ -52,6 +57,7 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
         names.append(p + "post_attention_layernorm.weight")
         names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + n for n in extra_layer_weights(config)]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -74,6 +80,10 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
         "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
         "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        "self_attn.q_norm.weight": (c.head_dim,),
+        "self_attn.k_norm.weight": (c.head_dim,),
+        "pre_feedforward_layernorm.weight": (c.hidden_size,),
+        "post_feedforward_layernorm.weight": (c.hidden_size,),
     }
     shapes = {
         "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),

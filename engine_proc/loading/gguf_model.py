@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_proc.loading.checkpoint import SUPPORTED_GGUF_ARCHITECTURES, Checkpoint, ProgressFn
+from engine_proc.loading.checkpoint import Checkpoint, ProgressFn
 from engine_proc.loading.gguf_file import GgufFile, GgufTensor, dequantize
 from engine_proc.loading.tokenizer_cache import gguf_tokenizer
-from engine_proc.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from engine_proc.models.llama import llama3_scale
+from engine_proc.models.config import ModelConfig
+from engine_proc.models.family import Family
+from engine_proc.models.layers import llama3_scale
+from engine_proc.models.registry import family_for_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -54,23 +56,18 @@ def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
     meta, tensors = gguf_file.metadata, gguf_file.tensors
     logger.debug("parsed GGUF header of %s in %.2f s", path.name, time.perf_counter() - t0)
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"model={str(path)!r}: GGUF general.architecture {arch!r} is not supported; "
-            f"supported GGUF architectures: {SUPPORTED_GGUF_ARCHITECTURES} "
-            f"(SUPPORTED_ARCHITECTURES: {SUPPORTED_ARCHITECTURES})"
-        )
-    config = _gguf_config(meta, arch, tensors, path)
+    family = family_for_gguf(arch, str(meta.get("general.name", "") or ""), f"model={str(path)!r}")
+    config = _gguf_config(meta, arch, tensors, path, family)
 
     weights: dict[str, torch.Tensor] = {}
     names = [n for n in tensors if n != "rope_freqs.weight"]
     for i, name in enumerate(names):
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = _gguf_to_hf_name(name, family)
         if hf_name is None:
             logger.warning("ignoring unrecognised GGUF tensor %s", name)
             continue
         tensor = dequantize(tensors[name])
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if family.gguf_permutes_qk and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             tensor = _unpermute_rope_rows(tensor, heads)
         weights[hf_name] = tensor.to(dtype)
@@ -86,7 +83,7 @@ def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
 
 
 def _gguf_config(
-    meta: dict[str, Any], arch: str, tensors: dict[str, GgufTensor], path: Path
+    meta: dict[str, Any], arch: str, tensors: dict[str, GgufTensor], path: Path, family: Family
 ) -> ModelConfig:
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -109,13 +106,9 @@ def _gguf_config(
     if "token_embd.weight" not in tensors:
         raise ValueError(f"model={str(path)!r}: GGUF file has no token_embd.weight")
     embd = tensors["token_embd.weight"]
-    name = str(meta.get("general.name", "") or "")
-    architecture = {"qwen2": "Qwen2ForCausalLM"}.get(arch, "LlamaForCausalLM")
-    if arch == "llama" and "mistral" in name.lower():
-        architecture = "MistralForCausalLM"  # llama.cpp stores Mistral as llama (no sliding window)
     eos_ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
-    config = ModelConfig(
-        architecture=architecture,
+    common = dict(
+        architecture="LlamaForCausalLM",
         vocab_size=int(embd.shape[1]),  # ggml order: ne0 = hidden, ne1 = vocab
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -129,10 +122,16 @@ def _gguf_config(
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        rope_scaling=_gguf_rope_scaling(meta, arch, tensors, head_dim, path),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
     )
+    try:
+        extra = family.gguf_fields(key, common)
+    except ValueError as exc:
+        raise ValueError(f"model={str(path)!r}: {exc}") from None
+    if "rope_scaling" not in extra:
+        extra["rope_scaling"] = _gguf_rope_scaling(meta, arch, tensors, head_dim, path)
+    config = ModelConfig(**(common | extra))
     if "blk.0.attn_output.bias" in tensors:
         raise ValueError(f"model={str(path)!r}: an o_proj bias (attn_output.bias) is not supported")
     return config
@@ -192,14 +191,15 @@ def _llama3_freq_factors(scaling: dict, theta: float, head_dim: int) -> torch.Te
     return inv_freq / llama3_scale(inv_freq, scaling)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, family: Family) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     match = _GGUF_BLOCK_RE.match(name)
-    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+    names = _GGUF_LAYER_NAMES | family.gguf_layer_names
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Hugging Face directory (config.json, *.safetensors, tokenizer files) -> Checkpoint, for the
-architectures in SUPPORTED_ARCHITECTURES; what the engine cannot run (sliding windows, o_proj
-biases, rope types other than llama3) is refused with the field named.
+architectures in SUPPORTED_ARCHITECTURES (engine_proc/models/registry.py); what the engine cannot
+run (o_proj biases, soft-capping, rope types other than llama3 / linear) is refused with the field
+named.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from engine_proc.loading.checkpoint import (
     ProgressFn,
     expected_weight_names,
 )
-from engine_proc.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine_proc.models.config import ModelConfig
+from engine_proc.models.family import Family
+from engine_proc.models.registry import family_for_hf
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +41,14 @@ def load_hf_dir(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoin
     if not isinstance(raw, dict):
         kind = type(raw).__name__
         raise ValueError(f"{path / 'config.json'}: expected a JSON object, got {kind}")
-    config = _hf_config(raw, path)
+    family = family_for_hf(raw.get("architectures") or [], f"model={str(path)!r}")
+    config = _hf_config(raw, path, family)
     files = _safetensors_files(path)
     weights = _read_safetensors(files, config, dtype, report)
+    if family.hf_norms_plus_one:  # Gemma's (1 + weight) RMSNorm, folded once
+        for name in weights:
+            if name.endswith("norm.weight"):
+                weights[name] = (weights[name].float() + 1.0).to(dtype)
     if "tie_word_embeddings" not in raw and "lm_head.weight" not in weights:
         logger.info("%s: no lm_head.weight and no tie_word_embeddings; treating as tied", path)
         config.tie_word_embeddings = True
@@ -58,26 +66,13 @@ def load_hf_dir(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoin
     return Checkpoint(config, weights, tokenizer, str(path), f"{path.name} (safetensors)")
 
 
-def _hf_config(raw: dict, path: Path) -> ModelConfig:
-    architectures = raw.get("architectures") or []
-    architecture = architectures[0] if architectures else None
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model={str(path)!r}: config.json architectures={architectures!r} is not supported; "
-            f"SUPPORTED_ARCHITECTURES: {SUPPORTED_ARCHITECTURES}"
-        )
-    _check_sliding_window(raw, architecture, path)
-    if raw.get("mlp_bias") or (architecture != "Qwen2ForCausalLM" and raw.get("attention_bias")):
-        raise ValueError(
-            f"model={str(path)!r}: mlp_bias / attention_bias (which biases o_proj too) are not "
-            "supported for this architecture; only Qwen2's q/k/v biases are"
-        )
+def _hf_config(raw: dict, path: Path, family: Family) -> ModelConfig:
     hidden = int(raw["hidden_size"])
     num_heads = int(raw["num_attention_heads"])
     rope = raw.get("rope_parameters") or {}  # transformers 5 folds rope_theta into this
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    return ModelConfig(
-        architecture=architecture,
+    common = dict(
+        architecture=raw["architectures"][0],
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
@@ -89,38 +84,33 @@ def _hf_config(raw: dict, path: Path) -> ModelConfig:
         rope_theta=float(theta),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=architecture == "Qwen2ForCausalLM",
-        rope_scaling=_hf_rope_scaling(raw.get("rope_scaling") or rope, path),
+        attention_bias=False,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_hf_eos_ids(raw, path),
     )
+    try:
+        extra = family.hf_fields(raw, common)
+        if "rope_scaling" not in extra:
+            extra["rope_scaling"] = _hf_rope_scaling(raw.get("rope_scaling") or rope)
+    except ValueError as exc:
+        raise ValueError(f"model={str(path)!r}: {exc}") from None
+    return ModelConfig(**(common | extra))
 
 
-def _check_sliding_window(raw: dict, architecture: str, path: Path) -> None:
-    window = raw.get("sliding_window")
-    max_pos = raw.get("max_position_embeddings", 0)
-    if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-        return
-    if architecture == "LlamaForCausalLM" or window is None or window >= max_pos:
-        return
-    raise ValueError(
-        f"model={str(path)!r}: sliding_window={window} < max_position_embeddings={max_pos}; "
-        "sliding-window attention is not supported (only full attention)"
-    )
-
-
-def _hf_rope_scaling(scaling: dict, path: Path) -> dict | None:
+def _hf_rope_scaling(scaling: dict) -> dict | None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(scaling["factor"])}
     if kind != "llama3":
         raise ValueError(
-            f"model={str(path)!r}: rope_type={kind!r} is not supported (supported: default, llama3)"
+            f"rope_type={kind!r} is not supported (supported: default, linear, llama3)"
         )
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in scaling]
     if missing:
-        raise ValueError(f"model={str(path)!r}: llama3 rope scaling lacks {missing}")
+        raise ValueError(f"llama3 rope scaling lacks {missing}")
     return {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
 

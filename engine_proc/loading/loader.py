@@ -23,6 +23,7 @@ import torch
 
 from engine_proc.loading.checkpoint import (
     ACCEPTED_MODELS,
+    SUPPORTED_ARCHITECTURES,
     SUPPORTED_GGUF_ARCHITECTURES,
     Checkpoint,
     ProgressFn,
@@ -33,7 +34,6 @@ from engine_proc.loading.checkpoint import (
 from engine_proc.loading.gguf_model import load_gguf
 from engine_proc.loading.hf_dir import load_hf_dir
 from engine_proc.loading.tokenizer_cache import CACHE_LAYOUT, tokenizer_cache_dir
-from engine_proc.models.config import SUPPORTED_ARCHITECTURES
 
 __all__ = [
     "ACCEPTED_MODELS",

@@ -1,10 +1,18 @@
-"""Architecture hyper-parameters of a Llama-family model, from config.json or GGUF metadata."""
+"""Architecture hyper-parameters of a decoder-only model, from config.json or GGUF metadata.
+
+Every family (engine_proc/models/registry.py) maps onto this one description; the forward pass
+(engine_proc/models/llama.py) reads the features a family turns on: q/k norms (Qwen3, Gemma 3),
+sliding-window layers (Mistral, Gemma 3), Gemma's sandwich norms, scaled embeddings and
+GELU-tanh MLP."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclass(slots=True)
@@ -25,6 +33,31 @@ class ModelConfig:
     rope_scaling: dict | None = None  # llama3-style: factor, low/high_freq_factor, original_max...
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3)
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    layer_types: tuple[str, ...] = ()  # per layer, from LAYER_TYPES; () = all full attention
+    rope_local_theta: float | None = None  # rotary base of sliding layers (Gemma 3); None: same
+    sandwich_norms: bool = False  # Gemma: norms after attention and around the MLP as well
+    hidden_act: str = "silu"  # of the gated MLP, from HIDDEN_ACTS
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
+
+    def __post_init__(self) -> None:
+        assert not self.layer_types or len(self.layer_types) == self.num_layers, self.layer_types
+        assert all(t in LAYER_TYPES for t in self.layer_types), self.layer_types
+        assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
+        assert SLIDING_ATTENTION not in self.layer_types or self.sliding_window, self.sliding_window
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many keys (up to and including its own position) a query of this layer sees;
+        None: all of them (full attention)."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

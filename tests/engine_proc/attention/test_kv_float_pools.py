@@ -50,9 +50,9 @@ def test_auto_is_fp16_beside_4bit_decode_on_avx512_bf16_and_the_model_dtype_else
 
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_an_int4_engine_resolves_auto_by_the_cpu(native_bf16, monkeypatch):
-    from engine_proc.models import llama
+    from engine_proc.models import layers
 
-    monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda: native_bf16)
     engine = LLMEngine(EngineConfig(num_kv_blocks=16, decode_weights="int4"),
                        checkpoint=tiny_checkpoint())  # fmt: skip
     want = torch.float16 if native_bf16 else torch.float32

@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 
 from engine_proc.loading import loader as model_loader
 from engine_proc.loading import tokenizer_cache
+from engine_proc.loading.checkpoint import SUPPORTED_ARCHITECTURES
 from engine_proc.loading.loader import (
     DEFAULT_MODEL_INSTALL,
     Checkpoint,
     default_model_path,
     load_checkpoint,
 )
-from engine_proc.models.config import SUPPORTED_ARCHITECTURES
 from tests.tiny_models import hf_reference_model, tiny_gguf_file, tiny_model_dir
 
 
@@ -259,18 +259,27 @@ def _copy_with_config(src: Path, dst: Path, **changes: object) -> Path:
     return dst
 
 
-def test_mistral_full_attention_loads_sliding_window_refused(tmp_path: Path) -> None:
+def test_mistral_loads_with_or_without_its_sliding_window(tmp_path: Path) -> None:
     src = tiny_model_dir("llama")
-    ok = _copy_with_config(
-        src, tmp_path / "ok", architectures=["MistralForCausalLM"], model_type="mistral",
+    full = _copy_with_config(
+        src, tmp_path / "full", architectures=["MistralForCausalLM"], model_type="mistral",
         sliding_window=None,
     )  # fmt: skip
-    assert load_checkpoint(str(ok), torch.float32).config.architecture == "MistralForCausalLM"
-    bad = _copy_with_config(
-        src, tmp_path / "bad", architectures=["MistralForCausalLM"], model_type="mistral",
+    config = load_checkpoint(str(full), torch.float32).config
+    assert config.architecture == "MistralForCausalLM" and not config.has_sliding_layers
+    windowed = _copy_with_config(
+        src, tmp_path / "windowed", architectures=["MistralForCausalLM"], model_type="mistral",
         sliding_window=128, max_position_embeddings=512,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="sliding_window"):
+    config = load_checkpoint(str(windowed), torch.float32).config
+    assert config.sliding_window == 128 and config.layer_types == ("sliding_attention",) * 2
+    assert [config.layer_window(i) for i in range(2)] == [128, 128]
+
+
+def test_gemma3_soft_capping_is_refused_by_name(tmp_path: Path) -> None:
+    src = tiny_model_dir("gemma3", sliding_window=8)
+    bad = _copy_with_config(src, tmp_path / "capped", final_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported"):
         load_checkpoint(str(bad), torch.float32)
 
 

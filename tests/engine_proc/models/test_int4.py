@@ -9,7 +9,7 @@ import torch
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.attention.base import AttentionMetadata
-from engine_proc.models import llama
+from engine_proc.models import layers, llama
 from engine_proc.models.int4 import (
     GROUP_SIZE,
     MAX_ROWS,
@@ -93,7 +93,7 @@ def test_matmul_error_is_within_the_quantization_bound(rows):
 
 
 def test_linear_uses_int4_up_to_max_rows_then_dense_and_adds_the_bias():
-    from engine_proc.models.llama import Linear
+    from engine_proc.models.layers import Linear
 
     weight, _ = q4_1_matrix(64, 96, seed=3)
     bias = torch.randn(64)
@@ -124,7 +124,7 @@ def test_engine_config_rejects_unknown_decode_weights():
 
 
 # Up to how many rows the int4 mode computes logits with its bf16 output projection: every
-# decode-sized step with native bf16, one or two rows without (models.llama.bf16_lm_head_rows).
+# decode-sized step with native bf16, one or two rows without (models.layers.bf16_lm_head_rows).
 BF16_HEAD_ROWS = {False: 2, True: MAX_ROWS}
 
 
@@ -208,14 +208,14 @@ def test_the_float64_reference_is_the_transformers_model():
 
 def test_prompt_products_stay_dense_and_decode_products_use_int4(native_bf16, monkeypatch):
     calls = []
-    real_int4_matmul = llama.int4_matmul
+    real_int4_matmul = layers.int4_matmul
 
     def spy(x, packed):
         out = real_int4_matmul(x, packed)
         calls.append((x.clone(), packed, out.clone()))
         return out
 
-    monkeypatch.setattr(llama, "int4_matmul", spy)
+    monkeypatch.setattr(layers, "int4_matmul", spy)
     ck = snapped_checkpoint()
     dense, int4 = _engine("dense"), _engine("int4")
     assert int4.model_info()["decode_weights"] == "int4"
@@ -235,15 +235,15 @@ def test_prompt_products_stay_dense_and_decode_products_use_int4(native_bf16, mo
 
     short = prompt[:5]  # 5 decode rows: every product on the 4-bit copies
     hidden, logits = _decode_logits(int4, short)
-    layers = int4.model.layers
-    assert [x.shape[0] for x, _, _ in calls] == [len(short)] * 4 * len(layers)
+    model_layers = int4.model.layers
+    assert [x.shape[0] for x, _, _ in calls] == [len(short)] * 4 * len(model_layers)
     dense_weight = {}
-    for layer in layers:
+    for layer in model_layers:
         dense_weight[id(layer.qkv_int4)] = layer.qkv_weight
         dense_weight[id(layer.o_int4)] = layer.o_weight
         dense_weight[id(layer.gate_up_int4)] = layer.gate_up_weight
         dense_weight[id(layer.down_int4)] = layer.down_weight
-    assert len(dense_weight) == 4 * len(layers)
+    assert len(dense_weight) == 4 * len(model_layers)
     for x, packed, out in calls:  # lossless weights: the bf16-activation product of the dense one
         assert_bf16_product(out, x, dense_weight[id(packed)])
     if len(short) <= BF16_HEAD_ROWS[native_bf16]:  # the bf16 copy of the (bf16-valued) head
@@ -383,7 +383,7 @@ def test_the_bf16_branch_is_a_model_parameter_that_defaults_to_the_cpu_flags(nat
     model = llama.LlamaModel(ck.config, ck.weights, torch.bfloat16, cpu, 64, native_bf16=native)
     assert model.linear.upcast is not native
     default = llama.LlamaModel(ck.config, ck.weights, torch.float32, cpu, 64)
-    assert default.native_bf16 is llama.cpu_has_native_bf16()
+    assert default.native_bf16 is layers.cpu_has_native_bf16()
 
 
 def test_int4_is_refused_off_the_cpu_with_a_clear_error():

@@ -164,7 +164,7 @@ def test_bfloat16_tracks_float32_through_prefill_and_decode(native_bf16):
 
 
 def test_float32_prompt_products_run_on_onednn_within_float32_rounding(monkeypatch):
-    from engine_proc.models import llama
+    from engine_proc.models import layers as llama
 
     if not llama.onednn_linear_available():
         pytest.skip("this torch build has no oneDNN inner product")
@@ -203,7 +203,7 @@ def test_float32_prompt_products_run_on_onednn_within_float32_rounding(monkeypat
 HEAP_SCRIPT = """
 import random
 import torch
-from engine_proc.models.llama import Linear
+from engine_proc.models.layers import Linear
 torch.set_num_threads(1)
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -221,7 +221,7 @@ print(rss_mb() - warm)
 def test_prompt_products_of_changing_lengths_do_not_grow_the_process():
     # oneDNN keeps ~0.65 MB for every row count it runs (a server's soak grew 200 MB with
     # every count sent to it); Linear sends it multiples of ONEDNN_ROWS only.
-    from engine_proc.models.llama import onednn_linear_available
+    from engine_proc.models.layers import onednn_linear_available
 
     if not onednn_linear_available():
         pytest.skip("this torch build has no oneDNN inner product")
