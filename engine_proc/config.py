@@ -35,6 +35,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512  # 0 = a prompt may take the whole token budget
     enable_prefix_caching: bool = True
+    # Sliding-window layers in KV groups of their own that release blocks out of the window
+    # (engine_proc/core/kv_groups.py); False: one table for every layer, every block kept.
+    hybrid_kv: bool = True
     attention_backend: str = "auto"
     # Decode steps replayed from CUDA graphs (CUDA + Triton backend only); False = always eager.
     cuda_graphs: bool = True

@@ -94,6 +94,13 @@ class ChatMessage(msgspec.Struct, **_STRICT):
     content: str
 
 
+class KVGroup(msgspec.Struct, kw_only=True):
+    """One group of a hybrid KV cache: layers of one attention type, one block table each."""
+
+    window: int | None  # None: full attention; else the tokens a sliding layer's query sees
+    layers: list[int]
+
+
 class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     """engine.model_info(); unknown extra keys from newer engines are ignored."""
 
@@ -123,6 +130,9 @@ class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str = ""  # "" (serves whole requests), "prefill" or "decode" (disaggregated)
     kv_transfer_endpoint: str = ""  # prefill role: where decode engines pull KV blocks
     cache_identity: str = ""  # all that decides K/V contents besides tokens (model, dtypes, ...)
+    # hybrid KV cache (sliding-window layers): group 0 full attention, then the sliding groups;
+    # [] or one group: every layer in one table
+    kv_groups: list[KVGroup] = []
 
 
 class LiveConfig(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -72,6 +72,9 @@ class RequestState(msgspec.Struct, kw_only=True):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     origin: str = ""  # client_name of the client that sent it ("http", "gui", ...)
+    # hybrid KV cache: each sliding-window group's table (group 1 first), -1 where a block was
+    # released after leaving the window; empty for models with one group
+    group_tables: list[list[int]] = []
 
 
 class TokenEvent(msgspec.Struct, kw_only=True):

@@ -67,6 +67,12 @@ class RequestView:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     origin: str = ""  # client_name of the client that sent it ("gui", "http", ...); "" = unknown
+    # hybrid KV cache: the sliding groups' tables, -1 where a block left the window
+    group_tables: list[list[int]] = field(default_factory=list)
+
+    def live_blocks(self) -> list[int]:
+        """Every block it holds, in all its groups' tables."""
+        return [b for t in (self.block_table, *self.group_tables) for b in t if b >= 0]
 
 
 # The window's own connection says hello as "gui" and carries both its chats and its load
@@ -122,6 +128,7 @@ class Frame:
                 first_scheduled_time=_get(r, "first_scheduled_time"),
                 first_token_time=_get(r, "first_token_time"),
                 origin=str(_get(r, "origin", "") or ""),
+                group_tables=[[int(b) for b in t] for t in (_get(r, "group_tables") or [])],
             )
             for r in (_get(snap, "requests") or [])
         ]
@@ -167,9 +174,8 @@ class Frame:
         for r in self.requests:
             if r.status == "finished":
                 continue
-            for b in r.block_table:
-                if b >= 0:
-                    out.setdefault(b, []).append(r.request_id)
+            for b in r.live_blocks():
+                out.setdefault(b, []).append(r.request_id)
         return out
 
 

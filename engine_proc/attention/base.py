@@ -29,6 +29,12 @@ class AttentionMetadata:
     # What a backend derives from this metadata, computed at its first layer and reused by
     # every other layer of the step.
     backend_plan: dict[str, Any] = field(default_factory=dict)
+    # A hybrid KV cache's sliding groups (engine_proc/core/kv_groups.py): their slot mappings
+    # and block tables, group 1 first; the rest is this one's.
+    groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        return self if group == 0 else self.groups[group - 1]
 
     @property
     def num_seqs(self) -> int:

@@ -24,6 +24,7 @@ class KVBlock:
     parent: int = -1  # block holding the previous link of the hash chain (for drawing the tree)
     parent_hash: bytes | None = None  # the previous link's hash (None: a prompt's first block)
     token_ids: tuple[int, ...] = ()  # the block's tokens (KV event replays describe them)
+    recorded: bool = False  # its BlockStored was logged (a sliding group's copies are not)
 
     @property
     def link(self) -> ChainLink:
@@ -92,7 +93,10 @@ class BlockPool:
         parent: int,
         parent_hash: bytes | None = None,
         token_ids: tuple[int, ...] = (),
+        record: bool = True,
     ) -> None:
+        """Index a full block under its prefix hash. record=False: no KV event (a hybrid
+        cache's sliding-group copy of a block the full group already announces)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.hash_to_block:
@@ -102,7 +106,8 @@ class BlockPool:
         block.parent_hash = parent_hash
         self.hash_to_block[block_hash] = block.block_id
         block.token_ids = tuple(token_ids)
-        if self.events is not None:
+        block.recorded = record
+        if self.events is not None and record:
             self.events.append(
                 BlockStored(block_hash, parent_hash, list(token_ids), block.block_id)
             )
@@ -134,6 +139,8 @@ class BlockPool:
         out = []
         for h, block_id in self.hash_to_block.items():
             b = self.blocks[block_id]
+            if not b.recorded:
+                continue
             out.append(BlockStored(h, b.parent_hash, list(b.token_ids), block_id))
         return out
 
@@ -141,9 +148,10 @@ class BlockPool:
         if block.block_hash is not None:
             if self.hash_to_block.get(block.block_hash) == block.block_id:
                 del self.hash_to_block[block.block_hash]
-            if self.events is not None and not quiet:
+            if self.events is not None and not quiet and block.recorded:
                 self.events.append(BlockRemoved(block.block_hash))
             block.block_hash = None
             block.parent = -1
             block.parent_hash = None
             block.token_ids = ()
+            block.recorded = False

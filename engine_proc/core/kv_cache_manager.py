@@ -1,5 +1,10 @@
 """Per-sequence KV policy over the block pool: block tables, prefix matching, allocation with
-copy-on-write for forked sequences, and hashing of blocks as they fill."""
+copy-on-write for forked sequences, and hashing of blocks as they fill.
+
+A hybrid model (engine_proc/core/kv_groups.py) gives each sequence one more table per sliding
+group: those tables release the blocks that left the window (`trim`), their blocks are indexed
+under group-tagged hashes, and a prefix hit needs the full group's whole prefix but only the last
+window's blocks of each sliding group."""
 
 from __future__ import annotations
 
@@ -10,7 +15,29 @@ from typing import Protocol
 
 from engine_proc.core.block_pool import BlockPool, KVBlock
 from engine_proc.core.kv_events import ChainLink
+from engine_proc.core.kv_groups import first_needed_block
 from engine_proc.core.request import Sequence
+
+NO_BLOCK = -1  # a sliding group's table entry for a block released (or never held)
+
+
+class CachedPrefix(list):
+    """A prefix hit: the full group's blocks (the list itself, as without groups) and, per
+    sliding group, its blocks for the same prefix (None below the window)."""
+
+    group_blocks: list[list[KVBlock | None]]
+
+    def __init__(self, blocks: list[KVBlock], group_blocks: list[list[KVBlock | None]]) -> None:
+        super().__init__(blocks)
+        self.group_blocks = group_blocks
+
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The index key of a block of `group`: the full group's is its prefix hash, a sliding
+    group's the same hash tagged with the group (the pool's index is shared)."""
+    if group == 0:
+        return block_hash
+    return hashlib.sha256(block_hash + b"\0kv-group\0" + bytes([group])).digest()
 
 
 class LowerTiers(Protocol):
@@ -43,7 +70,10 @@ def block_hash(parent_hash: bytes, token_ids: list[int]) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 windows: tuple[int | None, ...] = (None,)) -> None:  # fmt: skip
+        assert windows[0] is None and all(w for w in windows[1:]), windows
+        self.windows = windows  # per group (kv_groups.KVLayout.windows)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tiers: LowerTiers | None = None  # lower KV tiers (host, disk); see attach_tiers
@@ -88,7 +118,29 @@ class KVCacheManager:
             hit.append(block)
         if self.tiers is not None and len(hit) < max_blocks:
             hit = self._load_from_tiers(seq, hashes, hit)
+        if len(self.windows) > 1:
+            return self._hybrid_hit(hashes, hit)
         return hit
+
+    def _hybrid_hit(self, hashes: list[bytes], hit: list[KVBlock]) -> CachedPrefix:
+        """The longest prefix of `hit` whose last window's blocks every sliding group holds."""
+        bs = self.block_size
+        for k in range(len(hit), -1, -1):
+            groups: list[list[KVBlock | None]] = []
+            for g, window in enumerate(self.windows[1:], 1):
+                first = first_needed_block(k * bs, window, bs)
+                blocks: list[KVBlock | None] = [None] * min(first, k)
+                for j in range(first, k):
+                    block = self.pool.lookup(group_key(hashes[j], g))
+                    if block is None:
+                        break
+                    blocks.append(block)
+                if len(blocks) < k:
+                    break
+                groups.append(blocks)
+            else:
+                return CachedPrefix(hit[:k], groups)
+        raise AssertionError("an empty prefix always fits")
 
     def _load_from_tiers(
         self, seq: Sequence, hashes: list[bytes], hit: list[KVBlock]
@@ -156,7 +208,15 @@ class KVCacheManager:
         total = self.num_blocks_for(computed + num_new_tokens)
         have = len(seq.block_table) + len(cached)
         revived = sum(1 for b in cached if b.ref_count == 0)
-        return max(0, total - have) + revived + int(self._needs_copy(seq))
+        need = max(0, total - have) + revived + int(self._needs_copy(seq))
+        for g, window in enumerate(self.windows[1:], 1):
+            table = self._group_table(seq, g)
+            got = cached.group_blocks[g - 1] if isinstance(cached, CachedPrefix) else []
+            first = first_needed_block(computed, window, self.block_size)
+            need += max(0, total - max(len(table) + len(got), first))
+            need += sum(1 for b in got if b is not None and b.ref_count == 0)
+            need += int(self._needs_copy_in(table, seq.num_computed_tokens))
+        return need
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> bool:
         return self.blocks_needed(seq, num_new_tokens, cached) <= self.pool.num_free
@@ -171,30 +231,64 @@ class KVCacheManager:
         for block in cached:  # before any allocation, which could evict them
             pool.touch(block)
             seq.block_table.append(block.block_id)
+        for g in range(1, len(self.windows)):
+            table = self._group_table(seq, g)
+            got = cached.group_blocks[g - 1] if isinstance(cached, CachedPrefix) else []
+            for block in got:
+                if block is not None:
+                    pool.touch(block)
+                table.append(NO_BLOCK if block is None else block.block_id)
         seq.num_computed_tokens += len(cached) * self.block_size
         copies: list[tuple[int, int]] = []
-        if self._needs_copy(seq):
-            i = seq.num_computed_tokens // self.block_size
-            old = pool.blocks[seq.block_table[i]]
-            new = pool.allocate()
-            copies.append((old.block_id, new.block_id))
-            pool.free(old)
-            seq.block_table[i] = new.block_id
         end = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_table) < self.num_blocks_for(end):
-            seq.block_table.append(pool.allocate().block_id)
+        for g in range(len(self.windows)):
+            table = self._group_table(seq, g)
+            if self._needs_copy_in(table, seq.num_computed_tokens):
+                i = seq.num_computed_tokens // self.block_size
+                old = pool.blocks[table[i]]
+                new = pool.allocate()
+                copies.append((old.block_id, new.block_id))
+                pool.free(old)
+                table[i] = new.block_id
+            first = (0 if g == 0 else
+                     first_needed_block(seq.num_computed_tokens, self.windows[g], self.block_size))
+            while len(table) < self.num_blocks_for(end):
+                table.append(NO_BLOCK if len(table) < first else pool.allocate().block_id)
         self._cache_full_blocks(
             seq, seq.num_computed_tokens // self.block_size, end // self.block_size
         )
         return copies
 
+    def _group_table(self, seq: Sequence, group: int) -> list[int]:
+        if group == 0:
+            return seq.block_table
+        while len(seq.group_tables) < group:
+            seq.group_tables.append([])
+        return seq.group_tables[group - 1]
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the sliding groups' blocks that left the window: the next query of seq no
+        longer reads them. Freed with their hashes, they stay hittable until evicted."""
+        for g, window in enumerate(self.windows[1:], 1):
+            table = self._group_table(seq, g)
+            first = min(first_needed_block(seq.num_computed_tokens, window, self.block_size),
+                        len(table))  # fmt: skip
+            for i in range(first - 1, -1, -1):
+                if table[i] == NO_BLOCK:
+                    break  # released up to here before
+                self.pool.free(self.pool.blocks[table[i]])
+                table[i] = NO_BLOCK
+
     def _needs_copy(self, seq: Sequence) -> bool:
+        return self._needs_copy_in(seq.block_table, seq.num_computed_tokens)
+
+    def _needs_copy_in(self, table: list[int], num_computed: int) -> bool:
         # Only a forked sequence can write into a block someone else references: prefix hits
         # are whole blocks that are never written again.
-        i = seq.num_computed_tokens // self.block_size
-        if i >= len(seq.block_table) or seq.num_computed_tokens % self.block_size == 0:
+        i = num_computed // self.block_size
+        if i >= len(table) or num_computed % self.block_size == 0 or table[i] == NO_BLOCK:
             return False
-        return self.pool.blocks[seq.block_table[i]].ref_count > 1
+        return self.pool.blocks[table[i]].ref_count > 1
 
     def _cache_full_blocks(self, seq: Sequence, first: int, num_full: int) -> None:
         # Blocks are indexed when scheduled to be filled: the forward pass writes every layer's
@@ -213,21 +307,34 @@ class KVCacheManager:
             self.pool.cache(block, h, parent, hashes[i - 1] if i else None, tokens)
             if write_through and block.block_hash == h:
                 self.pending_stores.append((block.block_id, h))
+            for g in range(1, len(self.windows)):
+                block_id = seq.group_tables[g - 1][i]
+                if block_id != NO_BLOCK:
+                    self.pool.cache(self.pool.blocks[block_id], group_key(h, g), -1, None,
+                                    tokens, record=False)  # fmt: skip
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        for block_id in parent.block_table:
-            self.pool.touch(self.pool.blocks[block_id])
+        for table in (parent.block_table, *parent.group_tables):
+            for block_id in table:
+                if block_id != NO_BLOCK:
+                    self.pool.touch(self.pool.blocks[block_id])
         child.block_table = list(parent.block_table)
+        child.group_tables = [list(t) for t in parent.group_tables]
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence, keep_hashes_below: int | None = None) -> None:
         """Release seq's blocks, tail first so the tail is evicted first. Blocks from index
         keep_hashes_below on lose their hash (their K/V was never written: a failed step)."""
-        for i in range(len(seq.block_table) - 1, -1, -1):
-            block = self.pool.blocks[seq.block_table[i]]
-            if keep_hashes_below is not None and i >= keep_hashes_below and block.ref_count == 1:
-                self.pool.uncache(block)
-            self.pool.free(block)
+        for table in (*seq.group_tables, seq.block_table):
+            for i in range(len(table) - 1, -1, -1):
+                if table[i] == NO_BLOCK:
+                    continue
+                block = self.pool.blocks[table[i]]
+                if (keep_hashes_below is not None and i >= keep_hashes_below
+                        and block.ref_count == 1):  # fmt: skip
+                    self.pool.uncache(block)
+                self.pool.free(block)
         seq.block_table = []
+        seq.group_tables = []
         seq.num_computed_tokens = 0

@@ -37,6 +37,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at last admission
     num_external_cached_tokens: int = 0  # of those, loaded from the host/disk tiers (pending)
     block_table: list[int] = field(default_factory=list)
+    # Hybrid KV (engine_proc/core/kv_groups.py): the sliding groups' tables, group 1 first; -1
+    # marks a block released after it left the window.
+    group_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, grown lazily
     finish_reason: str | None = None
     error: str | None = None

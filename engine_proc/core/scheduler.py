@@ -82,6 +82,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            self.kv.trim(seq)  # a hybrid cache's sliding groups: blocks out of the window
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.can_allocate(seq, n, []):
                 victim = self.running.pop()
@@ -146,5 +147,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
+        if seq.block_table or seq.group_tables:
             self.kv.free(seq, keep_hashes_below=keep_hashes_below)

@@ -22,6 +22,7 @@ from engine_proc.attention.kv_quant import kv_bytes_per_token, resolve_kv_cache_
 from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
 from engine_proc.config import EngineConfig
 from engine_proc.core.kv_cache_manager import KVCacheManager, root_hash
+from engine_proc.core.kv_groups import KVLayout, plan_layout
 from engine_proc.core.request import Sequence
 from engine_proc.core.scheduler import Scheduler, SchedulerLimits
 from engine_proc.detokenizer import IncrementalDetokenizer
@@ -79,11 +80,15 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         self.kv_bytes_per_token = kv_bytes_per_token(
             kv_dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
         )
+        self.kv_layout = layout = self._kv_layout(config, kv_dtype)
         self.block_size = config.block_size
-        self.block_bytes = self.kv_bytes_per_token * self.block_size
+        # a block (page) holds group_size layers: every layer without groups
+        self.block_bytes = kv_bytes_per_token(
+            kv_dtype, layout.group_size, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+        ) * self.block_size
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // self.block_bytes)
         kv_cache = torch.zeros(
-            (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+            (layout.group_size, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
             dtype=kv_pool_dtype(kv_dtype, self.dtype),
             device=self.device,
         )
@@ -123,11 +128,12 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         self.backend = select_backend(attention_backend, self.device, kv_dtype)
         self.runner = ModelRunner(
             self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,
-            decode_step=config.decode_step,
+            decode_step=config.decode_step, layout=layout,
         )  # fmt: skip
         if config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
             self._capture_decode_graphs(progress)
-        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
+                                 layout.windows)  # fmt: skip
         # The root of every prefix-hash chain: all that changes K/V contents besides the tokens
         # (deterministic across processes, so disk entries are found again after a restart).
         self.cache_identity = (
@@ -138,6 +144,10 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             digest = hashlib.sha256(kv_layer_scales.detach().cpu().float().numpy().tobytes())
             self.cache_identity += f"|fp8_scales={digest.hexdigest()[:16]}"
         if config.kv_host_memory or config.kv_disk_dir is not None:
+            if layout.is_hybrid:
+                raise ValueError(
+                    "kv_host_memory / kv_disk_dir (KV tiers) do not hold a hybrid KV cache's "
+                    f"sliding-window groups yet ({mc.architecture}); use hybrid_kv=False")
             self.kv.attach_tiers(
                 KVTiers(
                     kv_cache,
@@ -237,6 +247,10 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             num_forks=params.n,
         )
         if kv_transfer is not None:
+            if self.kv_layout.is_hybrid:
+                raise ValueError("kv_transfer (disaggregated prefill/decode) does not carry a "
+                                 "hybrid KV cache's sliding-window groups yet; serve this model "
+                                 "colocated, or with hybrid_kv=False")  # fmt: skip
             self._take_over(seq, kv_transfer)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
@@ -263,10 +277,30 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         if kv_transfer.payloads or seq.num_output_tokens:
             seq.held_blocks = self.transfer.adopt(seq, kv_transfer.payloads)
 
+    def _kv_layout(self, config: EngineConfig, kv_dtype: str) -> KVLayout:
+        mc = self.model_config
+        layout = plan_layout(mc.layer_types, mc.num_layers, mc.sliding_window)
+        if not config.hybrid_kv or not layout.is_hybrid:
+            return plan_layout((), mc.num_layers, None)
+        if kv_dtype == "fp8":
+            raise ValueError("kv_cache_dtype='fp8' (per-layer scales) with a hybrid KV cache "
+                             f"({mc.architecture}) is not supported; use hybrid_kv=False or "
+                             "another kv_cache_dtype")  # fmt: skip
+        logger.info("hybrid KV cache: %d groups of %d layers (full: layers %s; window %d)",
+                    layout.num_groups, layout.group_size, layout.layers_of(0),
+                    mc.sliding_window)  # fmt: skip
+        return layout
+
     @property
     def max_total_tokens(self) -> int:
-        # One sequence must always fit in the pool by itself, or it could preempt itself forever.
-        return min(self.max_model_len, self.num_blocks * self.block_size)
+        # One sequence must always fit in the pool by itself, or it could preempt itself forever:
+        # with sliding groups, besides its full-group blocks, each of those holds its window and
+        # the largest chunk a step can give it.
+        blocks = self.num_blocks
+        for window in self.kv_layout.windows[1:]:
+            chunk = self.config.long_prefill_chunk or self.config.max_num_batched_tokens
+            blocks -= -(-(window + chunk) // self.block_size) + 1
+        return max(1, min(self.max_model_len, blocks * self.block_size))
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         seqs = self.requests.get(request_id)

@@ -51,10 +51,11 @@ def block_snapshot(kv: KVCacheManager, seqs: list[Sequence]) -> BlockSnapshot:
     for seq in seqs:
         # Blocks before the one holding the next token are full; only that one is partial.
         full, partial = divmod(seq.num_computed_tokens, bs)
-        table = seq.block_table
-        filled[table[:full]] = bs
-        if partial and full < len(table):
-            filled[table[full]] = max(filled[table[full]], partial)
+        for table in (seq.block_table, *seq.group_tables):
+            live = [b for b in table[:full] if b >= 0]
+            filled[live] = bs
+            if partial and full < len(table) and table[full] >= 0:
+                filled[table[full]] = max(filled[table[full]], partial)
     state = np.zeros(n, dtype=np.uint8)
     state[short_hash != 0] = BLOCK_CACHED
     state[ref_count > 0] = BLOCK_IN_USE
@@ -67,6 +68,7 @@ def request_snapshot(seq: Sequence) -> RequestSnapshot:
         request_id=seq.display_id,
         status=seq.status.value,
         block_table=list(seq.block_table),
+        group_tables=[list(t) for t in seq.group_tables],
         num_prompt_tokens=seq.num_prompt_tokens,
         num_cached_tokens=seq.num_cached_tokens,
         num_computed_tokens=seq.num_computed_tokens,

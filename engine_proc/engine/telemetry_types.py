@@ -37,6 +37,8 @@ class RequestSnapshot:
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
+    # hybrid KV: the sliding groups' tables, -1 where a block left the window
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ import torch
 
 from engine_proc.attention.base import AttentionBackend, AttentionMetadata
 from engine_proc.attention.kv_quant import layer_caches
+from engine_proc.core.kv_groups import KVLayout
 from engine_proc.core.request import Sequence
 from engine_proc.core.scheduler import ScheduledBatch
 from engine_proc.executor.cuda_graphs import DecodeGraphRunner, Graph
@@ -28,12 +29,20 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,  # int8/fp8 KV: the dtype attention reads it back in
         kv_layer_scales: torch.Tensor | None = None,  # fp8 KV: [num_layers, 2], fixed at start
         decode_step: str = "eager",  # "fused" / "auto": engine_proc/executor/fused_decode.py
+        layout: KVLayout | None = None,  # hybrid KV groups; None: one group of every layer
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_scales = kv_scales
         read_dtype = kv_dtype or kv_cache.dtype
-        self.kv_caches = layer_caches(kv_cache, kv_scales, kv_layer_scales, read_dtype)
+        slot_caches = layer_caches(kv_cache, kv_scales, kv_layer_scales, read_dtype)
+        self.layout = layout
+        if layout is None or not layout.is_hybrid:
+            self.kv_caches = slot_caches
+        else:  # each layer reads its slot of its group's pages
+            self.kv_caches = [slot_caches[slot] for slot in layout.layer_slot]
+            for layer, group in zip(model.layers, layout.layer_group, strict=True):
+                layer.kv_group = group
         self.block_size = kv_cache.shape[3]
         self.backend = backend
         self.device = kv_cache.device
@@ -97,16 +106,25 @@ class ModelRunner:
         dev = self.device
         query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start[1:])
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
+        query_start_t = torch.from_numpy(query_start).to(dev)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+
+        def metadata(slot_list: list[int], table_array: np.ndarray) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=torch.tensor(slot_list, dtype=torch.int64, device=dev),
+                query_start_loc=query_start_t,
+                seq_lens=seq_lens_t,
+                block_tables=torch.from_numpy(table_array).to(dev),
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+                query_lens_cpu=query_lens,
+                seq_lens_cpu=seq_lens,
+            )
+
+        meta = metadata(slots, tables)
+        if self.layout is not None and self.layout.is_hybrid:
+            meta.groups = [metadata(*self._group_inputs(batch, g))
+                           for g in range(1, self.layout.num_groups)]  # fmt: skip
         return StepInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -114,6 +132,21 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sampling_seqs=sampling,
         )
+
+    def _group_inputs(self, batch: ScheduledBatch, group: int) -> tuple[list[int], np.ndarray]:
+        """Slot mapping and block tables of a sliding group (-1 where a block was released:
+        attention masks those positions by the window, and no token writes there)."""
+        bs = self.block_size
+        seq_tables = [s.group_tables[group - 1] for s in batch.seqs]
+        tables = np.full((len(seq_tables), max(map(len, seq_tables))), -1, dtype=np.int32)
+        slots: list[int] = []
+        for row, (seq, n, table) in enumerate(zip(batch.seqs, batch.num_new_tokens, seq_tables,
+                                                  strict=True)):  # fmt: skip
+            start = seq.num_computed_tokens
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            tables[row, : len(table)] = table
+            assert all(table[p // bs] >= 0 for p in range(start, start + n)), (group, start, n)
+        return slots, tables
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:

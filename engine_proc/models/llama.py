@@ -67,6 +67,7 @@ class LlamaLayer:
         self.q_norm = w.get(f"{attn}.q_norm.weight") if config.qk_norm else None
         self.k_norm = w.get(f"{attn}.k_norm.weight") if config.qk_norm else None
         self.window = config.layer_window(index)  # None: full attention
+        self.kv_group = 0  # its group in a hybrid KV cache (set by the model runner)
         # 4-bit copies for decode-sized products (see models/int4.py); None = dense only.
         self.qkv_int4: Int4Weight | None = None
         self.o_int4: Int4Weight | None = None
@@ -195,8 +196,9 @@ class LlamaModel:
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = self.linear(x, layer.qkv_weight, layer.qkv_bias, q4[0])
             q, k, v = self._rotated_qkv(layer, qkv, *(tables if layer.window is None else local))
-            backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = backend.forward(q, k_cache, v_cache, meta, self.scale, layer.window)
+            layer_meta = meta.for_group(layer.kv_group)
+            backend.write_kv(k, v, k_cache, v_cache, layer_meta.slot_mapping)
+            attn = backend.forward(q, k_cache, v_cache, layer_meta, self.scale, layer.window)
             out = self.linear(attn.reshape(-1, self.q_size), layer.o_weight, None, q4[1])
             if layer.attn_out_norm is not None:
                 out = rms_norm(out, layer.attn_out_norm, cfg.rms_norm_eps)

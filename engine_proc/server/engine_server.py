@@ -98,6 +98,7 @@ class EngineServer(RequestTracking, Controls, Publishing):
         if self.disagg is not None:
             info |= {"role": self.cfg.disagg.role,
                      "kv_transfer_endpoint": self.disagg.transfer_endpoint}  # fmt: skip
+        info["kv_groups"] = [P.KVGroup(**g) for g in info.get("kv_groups", [])]
         self._model_info = P.ModelInfo(**info)
         if self.cfg.kv_events and hasattr(self.engine, "enable_kv_events"):
             self.engine.enable_kv_events()

@@ -116,6 +116,7 @@ def telemetry_from_snapshot(
                 request_id=r.request_id,
                 status=r.status,
                 block_table=[int(x) for x in r.block_table],
+                group_tables=[[int(x) for x in t] for t in r.group_tables],
                 num_prompt_tokens=int(r.num_prompt_tokens),
                 num_cached_tokens=int(r.num_cached_tokens),
                 num_computed_tokens=int(r.num_computed_tokens),

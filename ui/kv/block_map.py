@@ -253,7 +253,7 @@ class BlockMapWidget(QWidget):
             return set()
         for r in f.requests:
             if r.request_id == rid:
-                return {b for b in r.block_table if b >= 0}
+                return set(r.live_blocks())
         # finished: its blocks that still hold the same prefix hash (cached, reusable)
         table, hashes = self.remembered.get(rid, ([], []))
         return {b for b, h in zip(table, hashes, strict=False)
@@ -278,7 +278,7 @@ class BlockMapWidget(QWidget):
         reqs = [r for r in f.requests if r.status != "finished"]
         rows = [(r.request_id, origin_label(r.origin, r.request_id), r.status,
                  str(r.num_prompt_tokens), str(r.num_cached_tokens),
-                 str(r.num_generated_tokens), str(len(r.block_table))) for r in reqs]
+                 str(r.num_generated_tokens), str(len(r.live_blocks()))) for r in reqs]
         now = time.monotonic()
         # each QTableWidgetItem.setText re-lays the table out: only changed cells, at most 4 Hz
         if rows == self._rows or (now - self._table_time < 0.25 and
@@ -324,11 +324,14 @@ class BlockMapWidget(QWidget):
                      if b in self.highlight_blocks]
             title = f"{rid} (finished: {len(table)} blocks still cached)"
         lines = [title, "logical→physical  fill  ref  hash      state"]
-        for i, b in enumerate(table):
-            if 0 <= b < f.num_blocks:
-                st = _state_name(f, b, SHORT_STATE_NAMES)
-                lines.append(f"{i:5d} → {b:<8d}  {int(f.filled[b]):>2d}/{f.block_size:<2d}"
-                             f" {int(f.ref_count[b]):>3d}  {int(f.short_hash[b]):08x}  {st}")
+        groups = live.group_tables if live is not None else []
+        if groups:
+            lines.insert(1, "full-attention layers")
+        lines += _table_lines(f, table)
+        for g, group_table in enumerate(groups, 1):
+            released = sum(1 for b in group_table if b < 0)
+            lines.append(f"sliding-window group {g}: {released} blocks released (left the window)")
+            lines += _table_lines(f, group_table)
         text = "\n".join(lines)
         if text != self.block_table.toPlainText():
             self.block_table.setPlainText(text)
@@ -388,3 +391,13 @@ def _state_name(f: Frame, b: int, names: dict[int, str]) -> str:
     if f.state[b] == BLOCK_IN_USE and f.ref_count[b] > 1:
         return "shared"
     return names.get(int(f.state[b]), "?")
+
+
+def _table_lines(f: Frame, table: list[int]) -> list[str]:
+    lines = []
+    for i, b in enumerate(table):
+        if 0 <= b < f.num_blocks:
+            st = _state_name(f, b, SHORT_STATE_NAMES)
+            lines.append(f"{i:5d} → {b:<8d}  {int(f.filled[b]):>2d}/{f.block_size:<2d}"
+                         f" {int(f.ref_count[b]):>3d}  {int(f.short_hash[b]):08x}  {st}")
+    return lines
