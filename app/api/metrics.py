@@ -143,6 +143,15 @@ class TelemetryCollector:
                           ("contiguous_equivalent", "contiguous_kv_bytes")):  # fmt: skip
             kv_bytes.add_metric([*values, kind], c.get(key, 0))
         yield kv_bytes
+        if "kv_blocks_full_attention" in c:  # a hybrid KV cache (sliding-window layers)
+            groups = GaugeMetricFamily(
+                PREFIX + "kv_group_blocks", "Blocks held by requests' tables, by the attention "
+                "type of their layers: full_attention grows with the context, sliding_window "
+                "stays within the window.", labels=[*labels, "attention"],
+            )  # fmt: skip
+            for kind in ("full_attention", "sliding_window"):
+                groups.add_metric([*values, kind], c.get(f"kv_blocks_{kind}", 0))
+            yield groups
         tiers = [t for t in ("host", "disk") if f"kv_{t}_blocks_total" in c]
         if tiers:
             tier_blocks = GaugeMetricFamily(

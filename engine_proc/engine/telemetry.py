@@ -116,6 +116,21 @@ def counters(
     }
 
 
+def group_block_counts(seqs: list[Sequence]) -> dict[str, float]:
+    """A hybrid KV cache's blocks by the attention type of the tables holding them: every block
+    of the full-attention table (group 0) grows with the context, the sliding groups' stay within
+    their window. Distinct block ids (a prefix shared by n > 1 forks counts once)."""
+    full: set[int] = set()
+    sliding: set[int] = set()
+    for seq in seqs:
+        full.update(seq.block_table)
+        for table in seq.group_tables:
+            sliding.update(table)
+    full.discard(-1)
+    sliding.discard(-1)
+    return {"kv_blocks_full_attention": len(full), "kv_blocks_sliding_window": len(sliding)}
+
+
 def build_snapshot(
     now: float,
     stats: EngineStats,
@@ -137,6 +152,8 @@ def build_snapshot(
         block_bytes,
         contiguous_bytes_per_request,
     )
+    if len(kv.windows) > 1:
+        c.update(group_block_counts(seqs))
     events = list(stats.token_events)
     stats.token_events.clear()
     steps = list(stats.steps)

@@ -49,6 +49,45 @@ def kv_formula(model: object) -> str:
     return f"KV/token 2·L·H_kv·D·bytes = 2·{L}·{H}·{D}·{b} = {model.kv_bytes_per_token:,} B"
 
 
+def _group_fields(group: object) -> tuple[int | None, int]:
+    """(window, number of layers) of a KVGroup (or its dict form)."""
+    if isinstance(group, dict):
+        return group.get("window"), len(group.get("layers") or [])
+    return group.window, len(group.layers)
+
+
+def hybrid_kv_formula(model: object) -> str:
+    """A hybrid KV cache (sliding-window and full-attention layers, `ModelInfo.kv_groups`):
+    'KV/token 2·L_full·H_kv·D·b + 2·L_sliding·H_kv·D·b = 2·1·1·256·4 + 2·5·1·256·4 = 2,048 +
+    10,240 B, the sliding part for the last 512 tokens only · a 32,768-token chat 72 MiB, not 384
+    MiB contiguous'; '' for a model with one group."""
+    groups = [_group_fields(g) for g in getattr(model, "kv_groups", None) or []]
+    if len(groups) < 2:
+        return ""
+    L, H, D = model.num_layers, model.num_kv_heads, model.head_dim  # noqa: N806
+    per_layer, rest = divmod(model.kv_bytes_per_token, L) if L else (0, 1)
+    if rest or not per_layer:
+        return ""
+    full_layers = groups[0][1]
+    sliding_layers = sum(n for _, n in groups[1:])
+    window = max(w or 0 for w, _ in groups[1:])
+    full, sliding = full_layers * per_layer, sliding_layers * per_layer
+    b, rest = divmod(per_layer, 2 * H * D) if H * D else (0, 1)
+    terms = "L_full·H_kv·D·b + 2·L_sliding·H_kv·D·b"
+    values = (f"2·{full_layers}·{H}·{D}·{b} + 2·{sliding_layers}·{H}·{D}·{b} = "
+              if b and not rest else "")  # fmt: skip
+    text = (f"KV/token 2·{terms} = {values}{full:,} + {sliding:,} B, the sliding part for the "
+            f"last {window:,} tokens only")  # fmt: skip
+    n, bs = model.max_model_len, model.block_size
+    if n > window:
+        # a chat at the longest context: every full-attention block, the sliding layers' window
+        # (which may straddle one more block: engine_proc/core/kv_groups.py max_sliding_blocks)
+        held = -(-n // bs) * bs * full + min(-(-n // bs), -(-window // bs) + 1) * bs * sliding
+        text += (f" · a {n:,}-token chat {human_bytes(held)}, not "
+                 f"{human_bytes(n * (full + sliding))} contiguous")
+    return text
+
+
 def kv_tiers_text(model: object) -> str:
     """'host 1 GiB · disk 8 GiB' (the lower KV tiers that are on), or ''."""
     parts = []
@@ -159,10 +198,13 @@ class StatusBarView:
         if m.cuda_graph_sizes:
             engine_bits.append(f"CUDA graphs ≤{m.cuda_graph_sizes[-1]} seqs")
         self.model_label.setText(" · ".join(engine_bits))
-        total = m.num_blocks * m.block_size * m.kv_bytes_per_token
+        # a hybrid KV cache's page holds a group's layers, not all of them: the engine's figure
+        total = (getattr(m, "kv_pool_bytes", 0)
+                 or m.num_blocks * m.block_size * m.kv_bytes_per_token)  # fmt: skip
         tiers = kv_tiers_text(m)
         self.kv_label.setText(
-            f"{m.num_blocks:,} blocks × {m.block_size} tokens · {kv_formula(m)} · "
+            f"{m.num_blocks:,} blocks × {m.block_size} tokens · "
+            f"{hybrid_kv_formula(m) or kv_formula(m)} · "
             f"KV pool {human_bytes(total)}" + (f" · KV tiers {tiers}" if tiers else "")
             + f" · max len {m.max_model_len:,}")
         self.kv_label.setToolTip(KV_DTYPE_TIPS.get(getattr(m, "kv_cache_dtype", "auto"), ""))
