@@ -1,0 +1,30 @@
+"""The hybrid-KV capacity benchmark (engine_proc/bench/hybrid_capacity.py) on a small geometry:
+a pool sized for two chats with every block kept runs exactly two at once that way, and at least
+twice as many with the sliding layers' blocks released, as the layout's own arithmetic predicts
+(a recount from the block size and window, not the engine's); nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_proc.bench import hybrid_capacity as hc
+
+G = hc.Geometry(num_layers=6, global_every=3, window=32, num_kv_heads=1, head_dim=16)
+CONTEXT, CHATS, FULL_CHATS = 256, 5, 2
+
+
+@pytest.mark.slow
+def test_the_hybrid_pool_runs_the_chats_its_layout_predicts():
+    checkpoint = hc.random_checkpoint(hc.gemma3_shaped(G, CONTEXT))
+    kept = hc.run(checkpoint, G, CONTEXT, CHATS, FULL_CHATS, hybrid_kv=False, chunk=32)
+    hybrid = hc.run(checkpoint, G, CONTEXT, CHATS, FULL_CHATS, hybrid_kv=True, chunk=32)
+    assert kept.peak_decoding == FULL_CHATS
+    # pages of 2 layers (the 2 global ones; the 4 sliding in 2 groups): a pool of
+    # 2 chats x 6 layers x 17 blocks = 102 pages; a hybrid chat holds 17 + 2 x (2 + 1) = 23
+    blocks = -(-(CONTEXT + 4) // 16)
+    pages = FULL_CHATS * 6 * blocks // 2
+    per_chat = blocks + 2 * (-(-G.window // 16) + 1)
+    # prompts in chunks of 32: while a chunk is computed its sliding layers hold the window and
+    # the chunk, so the pool reaches the decoding count (with whole 256-token chunks it stops at 3)
+    assert hybrid.peak_decoding == pages // per_chat == 2 * kept.peak_decoding
+    assert hc.layer_tokens_per_chat(G, CONTEXT, True) == (2 * 16 + 4 * 3) * 16
