@@ -11,7 +11,12 @@ import torch
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from tests.engine_proc.models.test_llama import all_position_logits
-from tests.tiny_models import hf_reference_model, tiny_moe_gguf_file, tiny_moe_model_dir
+from tests.tiny_models import (
+    hf_reference_model,
+    tiny_model_dir,
+    tiny_moe_gguf_file,
+    tiny_moe_model_dir,
+)
 
 # (architecture, tiny_moe_model_dir parameters)
 LAYOUTS = {
@@ -128,6 +133,23 @@ def test_expert_counts_sum_to_tokens_times_top_k_per_layer(name):
         want = 0 if layer in config.dense_mlp_layers else tokens * config.num_experts_per_tok
         assert int(counts[layer].sum()) == want
     assert (counts >= 0).all() and int((counts > 0).sum()) > config.num_experts  # spread out
+
+
+def test_expert_counts_reach_the_telemetry_wire():
+    """The running totals in the engine snapshot and, through the server's conversion and
+    MessagePack, in the published Telemetry (docs/PROTOCOL.md `expert_counts`)."""
+    import ipc.protocol as P
+    from engine_proc.server.wire import telemetry_from_snapshot
+
+    engine = _engine("qwen3moe-6x3-dense-middle-layer")
+    engine.generate([PROMPT], GREEDY)
+    snap = engine.snapshot()
+    assert snap.expert_counts == engine.model.expert_counts.tolist()
+    msg = P.decode_pub(P.encode(telemetry_from_snapshot(snap, 1, False, 0)))
+    assert msg.expert_counts == snap.expert_counts
+    assert sum(msg.expert_counts[1]) == 0 and sum(msg.expert_counts[0]) > 0
+    dense = LLMEngine(EngineConfig(model=str(tiny_model_dir("qwen3")), num_kv_blocks=16))
+    assert dense.model.expert_counts is None and dense.snapshot().expert_counts == []
 
 
 GGUF_LAYOUTS = ["qwen3moe-gqa-head_dim32-8x2", "qwen3moe-6x3-dense-middle-layer",
