@@ -212,10 +212,15 @@ def test_auto_decode_weights_fall_back_to_dense_with_the_reason_logged(caplog):
 
 
 @pytest.mark.skipif(not int4_kernels_available(), reason="torch lacks the int4 CPU kernels")
-def test_auto_decode_weights_quantize_each_expert_where_they_can():
+def test_auto_decode_weights_quantize_each_expert_where_they_can(caplog):
+    """The app's CPU defaults (auto weights, fused step): 4-bit experts, decoded eagerly with
+    the fused step's refusal logged."""
+    caplog.set_level(logging.WARNING, logger="engine_proc.executor.fused_decode")
     path = tiny_moe_gguf_file("mixtral", intermediate_size=64)
-    engine = LLMEngine(EngineConfig(model=str(path), decode_weights="auto", num_kv_blocks=32))
-    assert engine.decode_weights == "int4"
+    engine = LLMEngine(EngineConfig(model=str(path), decode_weights="auto", decode_step="fused",
+                                    num_kv_blocks=32))  # fmt: skip
+    assert engine.decode_weights == "int4" and engine.runner.fused.state == "eager"
+    assert "has no routed experts (MixtralForCausalLM)" in caplog.text
     experts = engine.model.layers[0].experts
     assert experts is not None and experts.down_int4 is not None
     assert len(experts.down_int4) == engine.model_config.num_experts
