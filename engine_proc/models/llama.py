@@ -106,9 +106,11 @@ def int4_unsupported_reason(config: ModelConfig, device: torch.device) -> str | 
         return f"needs torch's int4 CPU kernels, missing in torch {torch.__version__}"
     # torch packs groups of 32 along the input and needs outputs in multiples of 16.
     c = config
+    dense_mlps = any(not c.layer_has_experts(i) for i in range(c.num_layers))
     for name, dim, multiple in (
         ("hidden_size", c.hidden_size, GROUP_SIZE),
-        ("intermediate_size", c.intermediate_size, GROUP_SIZE),
+        # the dense MLPs' width, each expert's (quantized one by one)
+        ("intermediate_size", c.intermediate_size if dense_mlps else 0, GROUP_SIZE),
         ("moe_intermediate_size", c.moe_intermediate_size, GROUP_SIZE),
         ("num_heads x head_dim", c.num_heads * c.head_dim, GROUP_SIZE),
         ("(num_heads + 2 x num_kv_heads) x head_dim", (c.num_heads + 2 * c.num_kv_heads)
