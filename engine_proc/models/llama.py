@@ -1,7 +1,7 @@
 """Our own forward pass for the decoder families (engine_proc/models/registry.py: Llama,
 Mistral, Qwen2, Qwen3, Gemma 3, and with routed experts Qwen3-MoE and Mixtral) over a paged KV
-cache, over the shared layers of
-engine_proc/models/layers.py. Works on a flat batch: every sequence's new tokens laid end to
+cache, over the shared layers of engine_proc/models/layers.py (routed experts:
+engine_proc/models/moe.py). Works on a flat batch: every sequence's new tokens laid end to
 end. What the families differ in is in ModelConfig (q/k norms, sliding-window layers and their
 rotary base, sandwich norms, scaled embeddings, the MLP's activation, routed experts)."""
 
