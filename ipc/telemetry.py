@@ -116,6 +116,9 @@ class Telemetry(_EngineMsg, tag="telemetry", kw_only=True):
     histograms: dict[str, Histogram] = msgspec.field(default_factory=dict)
     finished_reasons: dict[str, int] = msgspec.field(default_factory=dict)  # stop/length/abort/..
     kv_events_seq: int = 0  # seq of the last KV event batch published before this snapshot
+    # Routed-experts models: tokens routed to each expert, [layer][expert], cumulative since the
+    # model was loaded (rows of dense layers 0); empty for models without experts.
+    expert_counts: list[list[int]] = msgspec.field(default_factory=list)
 
 
 # Histogram names in Telemetry.histograms (vLLM's metric names without prefix and unit suffix

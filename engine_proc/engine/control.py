@@ -150,4 +150,6 @@ class LiveControl(EngineParts):
         snap.counters.update(self.transfer.counters())
         snap.histograms = self.histograms.by_name
         snap.finished_reasons = dict(self.histograms.finished_reasons)
+        if self.model.expert_counts is not None:
+            snap.expert_counts = self.model.expert_counts.tolist()
         return snap

@@ -130,7 +130,14 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,
             decode_step=config.decode_step, layout=layout,
         )  # fmt: skip
-        if config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe:
+        graphs = config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe
+        if graphs and mc.has_experts:
+            # models/moe.py sizes each expert's product from the routing (a host sync), which a
+            # CUDA graph cannot record
+            logger.warning("%s has routed experts, whose decode steps CUDA graphs cannot "
+                           "record yet: decoding eagerly", mc.architecture)  # fmt: skip
+            graphs = False
+        if graphs:
             self._capture_decode_graphs(progress)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
                                  layout.windows)  # fmt: skip

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from engine_proc.executor.model_runner import ModelRunner
     from engine_proc.kv_transfer.transfer import KVTransfer
     from engine_proc.models.config import ModelConfig
+    from engine_proc.models.llama import LlamaModel
 
 
 class EngineParts:
@@ -39,6 +40,7 @@ class EngineParts:
     num_blocks: int
     kv_bytes_per_token: int
     max_model_len: int
+    model: LlamaModel
     runner: ModelRunner
     kv: KVCacheManager
     scheduler: Scheduler

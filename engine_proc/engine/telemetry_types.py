@@ -70,3 +70,6 @@ class EngineSnapshot:
     # Cumulative since start: engine_proc.engine.metrics.Histogram by name, finishes by reason.
     histograms: dict[str, Any] = field(default_factory=dict)
     finished_reasons: dict[str, int] = field(default_factory=dict)
+    # Routed-experts models: tokens routed to each expert, [layer][expert], cumulative since
+    # load (rows of dense layers 0); empty for models without experts.
+    expert_counts: list[list[int]] = field(default_factory=list)

@@ -67,6 +67,7 @@ def architecture_unsupported_reason(config: ModelConfig) -> str | None:
         (config.embed_scale is not None, "scaled embeddings"),
         (config.query_scale is not None, "an attention scale other than 1/sqrt(head_dim)"),
         (config.rope_local_theta is not None, "a local rotary base"),
+        (config.has_experts, "routed experts"),
     ]
     missing = [name for present, name in features if present]
     if missing:

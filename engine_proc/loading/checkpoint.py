@@ -31,6 +31,8 @@ ACCEPTED_MODELS = (
 )
 
 ProgressFn = Callable[[float, str], None]
+# a routed-experts layer's MLP weights (after `model.layers.N.`): router, stacked experts
+EXPERT_WEIGHTS = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 @dataclass(slots=True)
@@ -56,7 +58,10 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         if config.attention_bias:
             names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
         names.append(p + "post_attention_layernorm.weight")
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if config.layer_has_experts(i):  # stacked as transformers 5 holds them (models/moe.py)
+            names += [p + n for n in EXPERT_WEIGHTS]
+        else:
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [p + n for n in extra_layer_weights(config)]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
@@ -84,6 +89,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.k_norm.weight": (c.head_dim,),
         "pre_feedforward_layernorm.weight": (c.hidden_size,),
         "post_feedforward_layernorm.weight": (c.hidden_size,),
+        "mlp.gate.weight": (c.num_experts, c.hidden_size),
+        "mlp.experts.gate_up_proj": (c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size),
+        "mlp.experts.down_proj": (c.num_experts, c.hidden_size, c.moe_intermediate_size),
     }
     shapes = {
         "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),

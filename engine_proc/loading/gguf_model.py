@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine_proc.loading.checkpoint import Checkpoint, ProgressFn
+from engine_proc.loading.experts import ExpertStacker
 from engine_proc.loading.gguf_file import GgufFile, GgufTensor, dequantize
 from engine_proc.loading.tokenizer_cache import gguf_tokenizer
 from engine_proc.models.config import ModelConfig
@@ -56,10 +57,13 @@ def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
     meta, tensors = gguf_file.metadata, gguf_file.tensors
     logger.debug("parsed GGUF header of %s in %.2f s", path.name, time.perf_counter() - t0)
     arch = meta.get("general.architecture")
-    family = family_for_gguf(arch, str(meta.get("general.name", "") or ""), f"model={str(path)!r}")
+    general_name = str(meta.get("general.name", "") or "")
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    family = family_for_gguf(arch, general_name, f"model={str(path)!r}", experts)
     config = _gguf_config(meta, arch, tensors, path, family)
 
     weights: dict[str, torch.Tensor] = {}
+    stacker = ExpertStacker(config, dtype) if config.num_experts else None
     names = [n for n in tensors if n != "rope_freqs.weight"]
     for i, name in enumerate(names):
         hf_name = _gguf_to_hf_name(name, family)
@@ -70,8 +74,13 @@ def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
         if family.gguf_permutes_qk and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             tensor = _unpermute_rope_rows(tensor, heads)
-        weights[hf_name] = tensor.to(dtype)
+        if stacker is not None and stacker.wants(hf_name):
+            stacker.take(hf_name, tensor)
+        else:
+            weights[hf_name] = tensor.to(dtype)
         report(0.95 * (i + 1) / len(names), f"dequantizing {name} ({i + 1}/{len(names)})")
+    if stacker is not None:
+        weights |= stacker.finish()
     logger.debug("dequantized %d tensors in %.2f s", len(weights), time.perf_counter() - t0)
 
     report(0.96, "loading tokenizer")
@@ -131,6 +140,9 @@ def _gguf_config(
         raise ValueError(f"model={str(path)!r}: {exc}") from None
     if "rope_scaling" not in extra:
         extra["rope_scaling"] = _gguf_rope_scaling(meta, arch, tensors, head_dim, path)
+    if extra.get("num_experts"):  # layers without a router keep a dense MLP
+        routed = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(common["num_layers"])]
+        extra["dense_mlp_layers"] = tuple(i for i, r in enumerate(routed) if not r)
     config = ModelConfig(**(common | extra))
     if "blk.0.attn_output.bias" in tensors:
         raise ValueError(f"model={str(path)!r}: an o_proj bias (attn_output.bias) is not supported")

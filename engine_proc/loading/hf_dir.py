@@ -20,6 +20,7 @@ from engine_proc.loading.checkpoint import (
     ProgressFn,
     expected_weight_names,
 )
+from engine_proc.loading.experts import ExpertStacker
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.family import Family
 from engine_proc.models.registry import family_for_hf
@@ -155,10 +156,15 @@ def _read_safetensors(
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     keys = [(h, k) for h in handles for k in h.keys()]
     weights: dict[str, torch.Tensor] = {}
+    experts = ExpertStacker(config, dtype) if config.num_experts else None
     for i, (handle, name) in enumerate(keys):
-        if name in wanted:
+        if experts is not None and experts.wants(name):
+            experts.take(name, handle.get_tensor(name))
+        elif name in wanted:
             weights[name] = handle.get_tensor(name).to(dtype).contiguous()
         else:
             logger.debug("ignoring checkpoint tensor %s", name)
         report(0.95 * (i + 1) / len(keys), f"reading {name} ({i + 1}/{len(keys)})")
+    if experts is not None:
+        weights |= experts.finish()
     return weights

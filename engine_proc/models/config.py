@@ -3,7 +3,7 @@
 Every family (engine_proc/models/registry.py) maps onto this one description; the forward pass
 (engine_proc/models/llama.py) reads the features a family turns on: q/k norms (Qwen3, Gemma 3),
 sliding-window layers (Mistral, Gemma 3), Gemma's sandwich norms, scaled embeddings and
-GELU-tanh MLP."""
+GELU-tanh MLP, routed experts in place of the MLP (Qwen3-MoE, Mixtral: models/moe.py)."""
 
 from __future__ import annotations
 
@@ -41,12 +41,26 @@ class ModelConfig:
     hidden_act: str = "silu"  # of the gated MLP, from HIDDEN_ACTS
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
+    # Routed experts (Qwen3-MoE, Mixtral): 0 = a dense MLP in every layer
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts a token is routed to
+    moe_intermediate_size: int = 0  # each expert's MLP width (intermediate_size: dense layers')
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an expert model with a dense MLP
 
     def __post_init__(self) -> None:
         assert not self.layer_types or len(self.layer_types) == self.num_layers, self.layer_types
         assert all(t in LAYER_TYPES for t in self.layer_types), self.layer_types
         assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
         assert SLIDING_ATTENTION not in self.layer_types or self.sliding_window, self.sliding_window
+        assert not self.num_experts or 0 < self.num_experts_per_tok <= self.num_experts
+
+    def layer_has_experts(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
+    @property
+    def has_experts(self) -> bool:
+        return any(self.layer_has_experts(i) for i in range(self.num_layers))
 
     def layer_window(self, layer: int) -> int | None:
         """How many keys (up to and including its own position) a query of this layer sees;

@@ -1,8 +1,9 @@
-"""Our own forward pass for the dense decoder families (engine_proc/models/registry.py: Llama,
-Mistral, Qwen2, Qwen3, Gemma 3) over a paged KV cache, over the shared layers of
-engine_proc/models/layers.py. Works on a flat batch: every sequence's new tokens laid end to
+"""Our own forward pass for the decoder families (engine_proc/models/registry.py: Llama,
+Mistral, Qwen2, Qwen3, Gemma 3, and with routed experts Qwen3-MoE and Mixtral) over a paged KV
+cache, over the shared layers of engine_proc/models/layers.py (routed experts:
+engine_proc/models/moe.py). Works on a flat batch: every sequence's new tokens laid end to
 end. What the families differ in is in ModelConfig (q/k norms, sliding-window layers and their
-rotary base, sandwich norms, scaled embeddings, the MLP's activation)."""
+rotary base, sandwich norms, scaled embeddings, the MLP's activation, routed experts)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from engine_proc.models.layers import (
     bf16_lm_head_rows,
     rms_norm,
 )
+from engine_proc.models.moe import RoutedExperts, moe_mlp
 
 DECODE_WEIGHTS = ("dense", "int4")
 
@@ -49,10 +51,18 @@ class LlamaLayer:
             else None
         )
         self.o_weight = w[f"{attn}.o_proj.weight"].contiguous()
-        self.gate_up_weight = torch.cat(
-            [w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]
-        ).contiguous()
-        self.down_weight = w[f"{mlp}.down_proj.weight"].contiguous()
+        # routed experts in place of the MLP (Qwen3-MoE, Mixtral); None: the dense MLP below
+        self.experts: RoutedExperts | None = None
+        if config.layer_has_experts(index):
+            self.experts = RoutedExperts(
+                w[f"{mlp}.gate.weight"].contiguous(), w[f"{mlp}.experts.gate_up_proj"].contiguous(),
+                w[f"{mlp}.experts.down_proj"].contiguous(), config.num_experts_per_tok,
+                config.norm_topk_prob)  # fmt: skip
+        else:
+            self.gate_up_weight = torch.cat(
+                [w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]
+            ).contiguous()
+            self.down_weight = w[f"{mlp}.down_proj.weight"].contiguous()
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         # Llama's post_attention_layernorm is the norm before the MLP; Gemma's sandwich puts
         # one after attention (its post_attention_layernorm) and two around the MLP.
@@ -81,8 +91,11 @@ class LlamaLayer:
     def pack_int4(self) -> None:
         self.qkv_int4 = quantize_int4(self.qkv_weight)
         self.o_int4 = quantize_int4(self.o_weight)
-        self.gate_up_int4 = quantize_int4(self.gate_up_weight)
-        self.down_int4 = quantize_int4(self.down_weight)
+        if self.experts is not None:
+            self.experts.pack_int4()  # each expert's own 4-bit copies
+        else:
+            self.gate_up_int4 = quantize_int4(self.gate_up_weight)
+            self.down_int4 = quantize_int4(self.down_weight)
 
 
 def int4_unsupported_reason(config: ModelConfig, device: torch.device) -> str | None:
@@ -93,9 +106,12 @@ def int4_unsupported_reason(config: ModelConfig, device: torch.device) -> str | 
         return f"needs torch's int4 CPU kernels, missing in torch {torch.__version__}"
     # torch packs groups of 32 along the input and needs outputs in multiples of 16.
     c = config
+    dense_mlps = any(not c.layer_has_experts(i) for i in range(c.num_layers))
     for name, dim, multiple in (
         ("hidden_size", c.hidden_size, GROUP_SIZE),
-        ("intermediate_size", c.intermediate_size, GROUP_SIZE),
+        # the dense MLPs' width, each expert's (quantized one by one)
+        ("intermediate_size", c.intermediate_size if dense_mlps else 0, GROUP_SIZE),
+        ("moe_intermediate_size", c.moe_intermediate_size, GROUP_SIZE),
         ("num_heads x head_dim", c.num_heads * c.head_dim, GROUP_SIZE),
         ("(num_heads + 2 x num_kv_heads) x head_dim", (c.num_heads + 2 * c.num_kv_heads)
          * c.head_dim, 16),
@@ -156,6 +172,11 @@ class LlamaModel:
         # below.
         self.head_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.head_kernel_rows = 0
+        # Tokens routed to each expert of each layer, summed over every forward since load (or
+        # since a caller zeroed it); rows of dense layers stay 0. [layers, experts], int64.
+        self.expert_counts: torch.Tensor | None = (
+            torch.zeros(config.num_layers, config.num_experts, dtype=torch.int64, device=device)
+            if config.has_experts else None)  # fmt: skip
         if decode_weights == "int4":
             self._pack_int4()
 
@@ -191,7 +212,7 @@ class LlamaModel:
         # the dense weights, so the prefill, which picks a reply's first token, is the dense
         # model's (a short chat prompt alone once flipped it on the 4-bit weights).
         decode_step = meta.max_query_len == 1
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             q4 = layer.int4_copies() if decode_step else (None, None, None, None)
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = self.linear(x, layer.qkv_weight, layer.qkv_bias, q4[0])
@@ -204,8 +225,12 @@ class LlamaModel:
                 out = rms_norm(out, layer.attn_out_norm, cfg.rms_norm_eps)
             h = h + out
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = self.linear(x, layer.gate_up_weight, None, q4[2]).chunk(2, -1)
-            out = self.linear(self.act(gate) * up, layer.down_weight, None, q4[3])
+            if layer.experts is not None:
+                counts = self.expert_counts[i] if self.expert_counts is not None else None
+                out = moe_mlp(x, layer.experts, self.act, self.linear, counts, decode_step)
+            else:
+                gate, up = self.linear(x, layer.gate_up_weight, None, q4[2]).chunk(2, -1)
+                out = self.linear(self.act(gate) * up, layer.down_weight, None, q4[3])
             if layer.mlp_out_norm is not None:
                 out = rms_norm(out, layer.mlp_out_norm, cfg.rms_norm_eps)
             h = h + out

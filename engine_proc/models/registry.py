@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine_proc.models.config import ModelConfig
-from engine_proc.models.families import gemma3, llama, mistral, qwen2, qwen3
+from engine_proc.models.families import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from engine_proc.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                gemma3.FAMILY)  # fmt: skip
+                                gemma3.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)  # fmt: skip
 
 def supported_hf_architectures() -> tuple[str, ...]:
     return tuple(a for f in FAMILIES for a in f.hf_architectures)
@@ -34,8 +34,11 @@ def family_for_hf(architectures: list[str], where: str) -> Family:
     )
 
 
-def family_for_gguf(arch: Any, name: str, where: str) -> Family:
-    """`llama` GGUFs named Mistral are Mistral (llama.cpp stores Mistral as llama)."""
+def family_for_gguf(arch: Any, name: str, where: str, expert_count: int = 0) -> Family:
+    """`llama` GGUFs with experts are Mixtral, those named Mistral are Mistral (llama.cpp stores
+    both as llama)."""
+    if arch == "llama" and expert_count > 0:
+        return mixtral.FAMILY
     if arch == "llama" and "mistral" in name.lower():
         return mistral.FAMILY
     for family in FAMILIES:

@@ -149,6 +149,7 @@ def telemetry_from_snapshot(
             for name, h in getattr(snap, "histograms", {}).items()
         },
         finished_reasons=dict(getattr(snap, "finished_reasons", {})),
+        expert_counts=[[int(n) for n in row] for row in getattr(snap, "expert_counts", [])],
     )
 
 

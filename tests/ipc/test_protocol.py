@@ -107,7 +107,8 @@ DOC_ENGINE_FIELDS = {
 }  # fmt: skip
 DOC_PUB_FIELDS = {
     "telemetry": {"seq", "time", "counters", "config", "blocks", "requests", "token_events",
-                  "steps", "num_clients", "histograms", "finished_reasons", "kv_events_seq"},
+                  "steps", "num_clients", "histograms", "finished_reasons", "kv_events_seq",
+                  "expert_counts"},
     "heartbeat": _TOKEN | {"time", "paused"},
     "goodbye": _TOKEN | {"reason"},
     "kv_events": {"seq", "time", "events"},
