@@ -101,6 +101,9 @@ class Frame:
     config: dict[str, Any]
     token_events: list[tuple[str, int, float]] = field(default_factory=list)  # (rid, idx, t)
     steps: list[tuple[float, float, int, int, int, int]] = field(default_factory=list)
+    # routed-experts models: tokens routed to each expert, [layer, expert], cumulative since the
+    # model was loaded; None for models without experts
+    expert_counts: np.ndarray | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -166,6 +169,7 @@ class Frame:
             config=_as_dict(_get(snap, "config")),
             token_events=events,
             steps=steps,
+            expert_counts=_expert_counts(_get(snap, "expert_counts")),
         )
 
     def owners(self) -> dict[int, list[str]]:
@@ -177,6 +181,14 @@ class Frame:
             for b in r.live_blocks():
                 out.setdefault(b, []).append(r.request_id)
         return out
+
+
+def _expert_counts(rows: Any) -> np.ndarray | None:
+    """[layer, expert] int64 counts from the wire's list of rows; None when empty or ragged."""
+    if not rows:
+        return None
+    counts = np.asarray(rows, dtype=np.int64) if len({len(r) for r in rows}) == 1 else None
+    return counts if counts is not None and counts.ndim == 2 and counts.shape[1] else None
 
 
 class Ring:

@@ -62,6 +62,10 @@ class TelemetryFeed(QObject):
         w.block_map.set_frame(last, w.history.last_tables)
         for f in frames:  # hits and last access count every frame
             w.prefix_tree.set_frame(f)
+            w.expert_view.add(f)
+        tab = w.kv_tabs.indexOf(w.expert_view)
+        if w.kv_tabs.isTabVisible(tab) != w.expert_view.has_experts:
+            w.kv_tabs.setTabVisible(tab, w.expert_view.has_experts)
         if w.want_highlight is not None:
             erid = w.remote.engine_rid(w.want_highlight)
             if erid is not None and erid != w.block_map.highlight_rid:
@@ -87,6 +91,8 @@ class TelemetryFeed(QObject):
                 w.kv_aggregate.redraw()
             elif w.kv_tabs.currentWidget() is w.prefix_tree:
                 w.prefix_tree.redraw()
+            elif w.kv_tabs.currentWidget() is w.expert_view:
+                w.expert_view.redraw()
             else:
                 w.block_map.redraw()
         elif aggregate:

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 from app.remote.probe import ServerInfo
 from app.supervisor import EngineSupervisor
 from ui.charts.engine import ChartsWidget
+from ui.charts.experts import ExpertRoutingView
 from ui.chat.panel import ChatPanel
 from ui.engine.link import EngineLink
 from ui.kv.block_map import BlockMapWidget
@@ -103,6 +104,7 @@ class WindowHost(Protocol):
     chat: ChatPanel
     block_map: BlockMapWidget
     prefix_tree: PrefixTreePanel
+    expert_view: ExpertRoutingView
     charts: ChartsWidget
     kv_aggregate: KvAggregateWidget
     metric_charts: MetricsChartsWidget

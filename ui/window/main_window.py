@@ -52,6 +52,7 @@ from app.settings import load_sampling, save_sampling
 from app.supervisor import EngineSupervisor
 from ui import theme
 from ui.charts.engine import ChartsWidget
+from ui.charts.experts import ExpertRoutingView
 from ui.chat.panel import ChatPanel
 from ui.engine.link import EngineLink
 from ui.kv.block_map import BlockMapWidget
@@ -117,6 +118,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatPanel(store, load_sampling(settings))
         self.block_map = BlockMapWidget()
         self.prefix_tree = PrefixTreePanel()
+        self.expert_view = ExpertRoutingView()  # its tab is shown for routed-experts models
         self.charts = ChartsWidget()
         self.kv_aggregate = KvAggregateWidget()
         self.tier_panel = TierPanel()  # pool, host, disk: hidden without lower tiers
@@ -188,6 +190,8 @@ class MainWindow(QMainWindow):
         self.kv_tabs.setDocumentMode(True)
         self.kv_tabs.addTab(self.block_map, "Blocks")
         self.kv_tabs.addTab(self.prefix_tree, "Prefix tree")
+        self.kv_tabs.addTab(self.expert_view, "Experts")
+        self.kv_tabs.setTabVisible(self.kv_tabs.indexOf(self.expert_view), False)
         self.kv_tabs.currentChanged.connect(lambda _: self.sync_tree_wanted())
         self.kv_stack = QStackedWidget()
         self.kv_stack.addWidget(self.kv_tabs)
