@@ -23,13 +23,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--dir", action="append", default=[], metavar="PATH",
                    help="also search this folder (or .gguf file); repeatable")  # fmt: skip
-    p.add_argument("--context", type=int, default=None, metavar="N",
-                   help="tokens of context for the memory estimate (default: each model's own)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens of context for the memory estimate (default: each model's own)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPE_BYTES),
                    help="the model dtype the engine would load the weights in")  # fmt: skip
-    p.add_argument("--resolve", default=None, metavar="NAME",
-                   help="print the path of the model listed under this name and exit")
+    p.add_argument(
+        "--resolve",
+        default=None,
+        metavar="NAME",
+        help="print the path of the model listed under this name and exit",
+    )
 
 
 def catalog(dirs: list[str], context: int | None, kv_cache_dtype: str, dtype: str
@@ -76,8 +85,16 @@ def run(args: argparse.Namespace) -> int:
         if args.resolve is not None:
             entry = resolve(args.resolve, entries)
             if args.json:
-                print(json.dumps({"name": entry.name, "path": entry.path,
-                                  "supported": entry.supported, "reason": entry.reason}))
+                print(
+                    json.dumps(
+                        {
+                            "name": entry.name,
+                            "path": entry.path,
+                            "supported": entry.supported,
+                            "reason": entry.reason,
+                        }
+                    )
+                )
             else:
                 print(entry.path)
             return 0
