@@ -51,6 +51,8 @@ def test_gguf_entry(entries):
     reference = load_checkpoint(tiny_gguf_file("llama"), torch.float32).config
     assert e.config == reference
     assert e.context_length == reference.max_position_embeddings
+    # the engine loads Ollama's suffixless blob as the GGUF it is
+    assert load_checkpoint(e.path, torch.float32).config == reference
 
 
 def test_safetensors_entry(entries):
