@@ -86,8 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="the engine's JSON as it is")
     p.add_argument("--dir", action="append", default=[], metavar="PATH",
                    help="also search this folder (or .gguf file); repeatable")  # fmt: skip
-    p.add_argument("--context", type=int, default=None, metavar="N",
-                   help="tokens of context for the memory estimate (default: each model's own)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens of context for the memory estimate (default: each model's own)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--resolve", default=None, metavar="NAME", help="print one model's path")

@@ -7,7 +7,7 @@ new estimate; the engine computes it with its own pool sizing."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSortFilterProxyModel, Signal
+from PySide6.QtCore import QSortFilterProxyModel, Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
@@ -31,6 +31,7 @@ from ui.units import human_bytes
 CONTEXT_CHOICES = ((2048, "2K"), (4096, "4K"), (8192, "8K"), (32768, "32K"), (131072, "128K"),
                    (None, "model's own"))  # fmt: skip
 
+
 class ModelsDialog(QDialog):
     load_requested = Signal(str)  # a model's path
 
@@ -50,6 +51,7 @@ class ModelsDialog(QDialog):
         view = self.view = QTableView(self)
         view.setModel(proxy)
         view.setSortingEnabled(True)
+        view.sortByColumn(0, Qt.SortOrder.AscendingOrder)
         view.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         view.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         view.verticalHeader().setVisible(False)

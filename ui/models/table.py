@@ -9,8 +9,8 @@ from PySide6.QtGui import QColor
 
 from ui.units import human_bytes
 
-COLUMNS = ("Name", "Store", "Format", "Architecture", "Params", "Quant", "Size", "Context",
-           "KV / token", "Memory at context", "Fit", "Status")  # fmt: skip
+COLUMNS = ("Name", "Fit", "Memory at context", "Params", "Quant", "Size", "Context",
+           "KV / token", "Architecture", "Format", "Store", "Status")  # fmt: skip
 FIT_COLORS = {"fits": "#5fbf6f", "tight": "#e0b040", "won't fit": "#e06060"}
 GREY = QColor("#808080")
 SORT_ROLE = Qt.ItemDataRole.UserRole + 1
@@ -59,9 +59,14 @@ class CatalogModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.DisplayRole:
             return self.text(row, est, col)
         if role == SORT_ROLE:
-            numbers = {4: row["params"], 6: row["file_size"], 7: row["context_length"],
-                       8: est.get("kv_bytes_per_token", -1), 9: est.get("total_bytes", -1)}
-            return numbers.get(col, self.text(row, est, col).lower())  # fmt: skip
+            numbers = {
+                "Params": row["params"],
+                "Size": row["file_size"],
+                "Context": row["context_length"],
+                "KV / token": est.get("kv_bytes_per_token", -1),
+                "Memory at context": est.get("total_bytes", -1),
+            }
+            return numbers.get(COLUMNS[col], self.text(row, est, col).lower())  # fmt: skip
         if role == PATH_ROLE:
             return row["path"]
         if role == Qt.ItemDataRole.ToolTipRole:
@@ -71,35 +76,30 @@ class CatalogModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ForegroundRole:
             if not row["supported"]:
                 return GREY
-            if col == 10 and est.get("fit") in FIT_COLORS:
+            if COLUMNS[col] == "Fit" and est.get("fit") in FIT_COLORS:
                 return QColor(FIT_COLORS[est["fit"]])
         return None
 
     @staticmethod
     def text(row: dict, est: dict, col: int) -> str:
-        if col == 0:
-            return row["name"]
-        if col == 1:
-            return row["store"]
-        if col == 2:
-            return row["format"]
-        if col == 3:
-            return row["architecture"] or "?"
-        if col == 4:
-            return params_text(row["params"])
-        if col == 5:
-            return row["quantization"] or "?"
-        if col == 6:
-            return human_bytes(row["file_size"])
-        if col == 7:
-            return f"{row['context_length']:,}" if row["context_length"] else "?"
-        if col == 8:
-            return human_bytes(est["kv_bytes_per_token"]) if est else ""
-        if col == 9:
+        name = COLUMNS[col]
+        if name == "Fit":
+            return est.get("fit", "") if est else "unsupported"
+        if name == "Memory at context":
             return human_bytes(est["total_bytes"]) if est else ""
-        if col == 10:
-            return est.get("fit", "") if est else ""
-        return "supported" if row["supported"] else row["reason"]
+        if name == "KV / token":
+            return human_bytes(est["kv_bytes_per_token"]) if est else ""
+        if name == "Params":
+            return params_text(row["params"])
+        if name == "Size":
+            return human_bytes(row["file_size"])
+        if name == "Context":
+            return f"{row['context_length']:,}" if row["context_length"] else "?"
+        if name == "Status":
+            return "supported" if row["supported"] else row["reason"]
+        key = {"Name": "name", "Quant": "quantization", "Architecture": "architecture",
+               "Format": "format", "Store": "store"}[name]  # fmt: skip
+        return str(row[key] or "?")
 
     @staticmethod
     def tooltip(row: dict, est: dict) -> str:

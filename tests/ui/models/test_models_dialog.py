@@ -114,8 +114,9 @@ def window(qtbot, tmp_path, monkeypatch, env):
                    EngineSource(command=["/bin/false"]), data_dir=d)  # fmt: skip
     qtbot.addWidget(w)
     w.restarts = []
-    monkeypatch.setattr(w.lifecycle, "restart",
-                        lambda: w.restarts.append(w.source.options.to_args()))
+    monkeypatch.setattr(
+        w.lifecycle, "restart", lambda: w.restarts.append(w.source.options.to_args())
+    )
     yield w
     w.shutdown()
 
