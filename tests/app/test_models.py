@@ -80,3 +80,15 @@ def test_serve_refuses_an_unknown_name_listing_candidates(env, capsys):
     assert serve.main(["--model", "no-such-model", "--port", "0"]) == serve.EXIT_BAD_OPTIONS
     err = capsys.readouterr().err
     assert "--model" in err and "tinyllama:latest" in err
+
+
+def test_the_windows_model_option_takes_a_name(env):
+    from app.__main__ import _resolve_model_arg
+    from tests.ui.conftest import DictSettings
+
+    root, expected = env
+    settings = DictSettings({models.FOLDERS_KEY: [str(root / "my-models")]})
+    assert _resolve_model_arg("gpt2-tiny", settings) == str(expected["gpt2-tiny"])
+    assert _resolve_model_arg(None, settings) is None
+    with pytest.raises(ValueError, match="ambiguous"):
+        _resolve_model_arg("tiny-", settings)
