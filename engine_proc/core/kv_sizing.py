@@ -58,8 +58,10 @@ def pool_blocks(num_kv_blocks: int | None, kv_cache_memory: int, page_bytes: int
 
 
 def request_blocks(layout: KVLayout, num_tokens: int, block_size: int) -> int:
-    """Pages one request of `num_tokens` tokens holds at most: every block of its full-attention
-    group, and in each sliding group no more than its window spans (core/kv_groups.py)."""
+    """Pages one request of `num_tokens` tokens holds once computed: every block of its
+    full-attention group, and in each sliding group no more than its window spans
+    (core/kv_groups.py). While a prefill chunk of C tokens runs, a sliding group briefly holds
+    the chunk's blocks as well (up to about C / block_size more)."""
     full = math.ceil(num_tokens / block_size)
     return sum(full if window is None else min(full, max_sliding_blocks(window, block_size))
                for window in layout.windows)  # fmt: skip
