@@ -1,7 +1,7 @@
 """engine_proc/catalog/estimate.py against the engine's own pool: an LLMEngine built on a tiny
 model with kv_cache_memory = the estimate's KV bytes has the estimate's bytes per token, page
-bytes and block count; the hybrid layout's saving is the window bound of core/kv_groups.py,
-recomputed here by hand."""
+bytes and block count, and torch allocated exactly the estimate's KV bytes for its pool; the
+hybrid layout's saving is the window bound of core/kv_groups.py, recomputed here by hand."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ def test_estimate_is_the_engines_pool_sizing(arch, params, kv_dtype, dtype):
     assert engine.block_bytes == est.block_bytes
     assert engine.num_blocks == est.kv_blocks
     assert engine.kv_layout.is_hybrid == est.hybrid == (arch == "gemma3")
+    # the bytes torch allocated for the pool (and int8's scales): what the estimate counts
+    runner = engine.runner
+    pool = runner.kv_cache.nbytes + (runner.kv_scales.nbytes if runner.kv_scales is not None else 0)
+    assert pool == est.kv_bytes
     assert est.weights_bytes == e.params * {"float32": 4, "bfloat16": 2}[dtype]
     assert est.total_bytes == est.weights_bytes + est.kv_bytes
 
