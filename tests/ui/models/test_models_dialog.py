@@ -172,3 +172,15 @@ def test_conversations_record_their_model(qtbot, tmp_path):
     old = Conversation().to_json()
     del old["model"]  # files written before the field
     assert Conversation.from_json(old).model == ""
+
+
+def test_a_catalog_that_cannot_run_is_reported(qtbot, tmp_path):
+    from ui.models.runner import CatalogRunner
+
+    runner = CatalogRunner(python=str(tmp_path / "no-python"))
+    dialog = ModelsDialog(DictSettings({}), runner=runner)
+    qtbot.addWidget(dialog)
+    with qtbot.waitSignal(runner.failed, timeout=10_000):
+        dialog.refresh()
+    assert "Could not list the models" in dialog.status.text()
+    assert dialog.refresh_button.isEnabled() and dialog.model.rowCount() == 0
