@@ -283,6 +283,8 @@ class ChatPanel(QWidget):
         item = QListWidgetItem(conv.title)
         item.setData(Qt.ItemDataRole.UserRole, conv.id)
         item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
+        if conv.model:
+            item.setToolTip(f"model: {conv.model}")
         self.conv_list.blockSignals(True)
         if top:
             self.conv_list.insertItem(0, item)
@@ -487,6 +489,9 @@ class ChatPanel(QWidget):
             )
             return None
         conv.draft = ""
+        item = self._item_for(conv.id)
+        if item is not None and conv.model:
+            item.setToolTip(f"model: {conv.model}")
         self.input.blockSignals(True)
         self.input.clear()
         self.input.blockSignals(False)

@@ -169,6 +169,7 @@ def test_conversations_record_their_model(qtbot, tmp_path):
     assert panel.send_current() is not None
     saved = json.loads(store.path_for(panel.current.id).read_text())
     assert saved["model"] == "tiny-llama (F32 GGUF)"
+    assert panel.conv_list.currentItem().toolTip() == "model: tiny-llama (F32 GGUF)"
     old = Conversation().to_json()
     del old["model"]  # files written before the field
     assert Conversation.from_json(old).model == ""
