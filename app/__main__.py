@@ -6,6 +6,7 @@
     kvscope chat ...             terminal chat (app.chat)
     kvscope bench ...            benchmarks (app.bench)
     kvscope serve ...            OpenAI-compatible HTTP API and Prometheus metrics (app.serve)
+    kvscope models ...           the models on this machine and what they need (app.models)
 
 GUI extras: `--screenshot OUT.png [--load N]` renders the window under load to a PNG and exits;
 `--measure-latency SECONDS [--load 32]` prints the GUI event-loop latency percentiles;
@@ -28,12 +29,14 @@ from typing import Any
 
 from app.supervisor import DECODE_WEIGHTS, DTYPES, KV_CACHE_DTYPES, KV_DISK_SUBDIR
 
-SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench.suite", "serve": "app.serve"}
+SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench.suite", "serve": "app.serve",
+               "models": "app.models"}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="kvscope", description="KVScope desktop app. Subcommands: gui (default), chat, bench."
+        prog="kvscope",
+        description="KVScope desktop app. Subcommands: gui (default), chat, bench, serve, models.",
     )
     ap.add_argument(
         "--connect",
@@ -55,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the platform's app data dir; or $KVSCOPE_DATA_DIR)",
     )
     g = ap.add_argument_group("spawned engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory")
+    g.add_argument("--model", default=None,
+                   help="GGUF file, HF directory or a name `kvscope models` lists")  # fmt: skip
     g.add_argument("--dtype", default=None, choices=DTYPES)
     g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -161,6 +165,11 @@ def run_gui(args: argparse.Namespace) -> int:
     ddir = data_dir(args.data_dir)
     settings = open_settings(args.data_dir)
     store = ConversationStore(ddir / "conversations")
+    try:
+        args.model = _resolve_model_arg(args.model, settings)
+    except ValueError as exc:
+        print(f"kvscope: --model: {exc}", file=sys.stderr)
+        return 2
     options = _engine_options(args, settings, ddir)
     from app.remote.probe import is_http_url, normalize_url
 
@@ -190,6 +199,16 @@ def run_gui(args: argparse.Namespace) -> int:
     if args.load:
         _when_ready(win, lambda: _start_load(win, args.load, args.load_max_tokens))
     return app.exec()
+
+
+def _resolve_model_arg(model: str | None, settings) -> str | None:
+    """A `--model` name (not a path) as the path the catalog lists it under, searching the
+    folders added in *File → Models…* too."""
+    from app.models import FOLDERS_KEY, resolve_model
+
+    folders = settings.value(FOLDERS_KEY) or []
+    folders = [folders] if isinstance(folders, str) else [str(f) for f in folders]
+    return resolve_model(model, folders)
 
 
 def _engine_options(args: argparse.Namespace, settings, ddir: Path | None = None) -> Any:

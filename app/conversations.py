@@ -42,6 +42,7 @@ class Conversation:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     messages: list[Message] = field(default_factory=list)
     draft: str = ""  # text typed in the input box and not yet sent
+    model: str = ""  # the model of the engine its last message was sent to ("" = unknown)
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
 
@@ -81,6 +82,7 @@ class Conversation:
             system_prompt=str(d.get("system_prompt", DEFAULT_SYSTEM_PROMPT)),
             messages=msgs,
             draft=str(d.get("draft", "")),
+            model=str(d.get("model", "")),
             created=float(d.get("created", time.time())),
             updated=float(d.get("updated", time.time())),
         )

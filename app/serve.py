@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--connect", default=None, help="engine ROUTER endpoint (default: spawn one)")
     e.add_argument("--token", default=None, help="engine access token (or $KVSCOPE_TOKEN)")
-    e.add_argument("--model", default=None, help="GGUF file or HF directory")
+    e.add_argument("--model", default=None,
+                   help="GGUF file, HF directory or a name `kvscope models` lists")  # fmt: skip
     e.add_argument("--dtype", default=None, choices=DTYPES)
     e.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
     e.add_argument("--num-kv-blocks", type=int, default=None)
@@ -155,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
+    if args.model is not None:
+        from app.models import resolve_model
+
+        try:
+            args.model = resolve_model(args.model)
+        except ValueError as exc:
+            print(f"error: --model: {exc}", file=sys.stderr)
+            return EXIT_BAD_OPTIONS
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

@@ -1,5 +1,6 @@
-"""`python -m engine_proc generate ...` (one completion in the terminal) and
-`python -m engine_proc serve ...` (the engine process behind the desktop app)."""
+"""`python -m engine_proc generate ...` (one completion in the terminal),
+`python -m engine_proc serve ...` (the engine process behind the desktop app) and
+`python -m engine_proc models ...` (the models on this machine: engine_proc/catalog/cli.py)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,11 @@ def _print_progress(fraction: float, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "models":  # before the server's imports: this path has no torch
+        from engine_proc.catalog.cli import main as models_main
+
+        return models_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m engine_proc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)

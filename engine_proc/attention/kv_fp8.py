@@ -67,12 +67,6 @@ CALIBRATION_TEXT = "\n\n".join(m["content"] for m in CALIBRATION_CHAT)
 CALIBRATION_MAX_TOKENS = 256
 
 
-def kv_fp8_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """K and V of one token at 1 byte per value; the per-layer scales (8 bytes a layer for the
-    whole pool) are not per token."""
-    return 2 * num_layers * num_kv_heads * head_dim
-
-
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """x / scale, saturated to e4m3's range, as float8_e4m3fn (round half to even)."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

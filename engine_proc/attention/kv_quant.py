@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from engine_proc.attention.kv_fp8 import FP8_DTYPE, Fp8KV, kv_fp8_bytes_per_token
+from engine_proc.attention.kv_fp8 import FP8_DTYPE, Fp8KV
 from engine_proc.attention.torch_ref import TorchAttentionBackend
+from engine_proc.core.kv_sizing import (  # noqa: F401 - the engine and tests import them here
+    FLOAT_POOL_BYTES,
+    kv_bytes_per_token,
+    kv_int8_bytes_per_token,
+)
 
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 1e-5  # rows below 127e-5 in magnitude round to zero: far under attention noise
-
-
-def kv_int8_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """K and V of one token: int8 values plus a float16 scale per layer and KV head."""
-    return 2 * num_layers * num_kv_heads * (head_dim + SCALE_DTYPE.itemsize)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,27 +106,9 @@ class Fp8TorchAttentionBackend(QuantizedTorchAttentionBackend):
     name = "torch-fp8"
 
 
-def kv_bytes_per_token(
-    kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
-) -> int:
-    """Pool bytes of one token's K and V in a given kv_cache_dtype ("auto": the model dtype of
-    ``dtype_bytes`` per value)."""
-    if kv_cache_dtype == "int8":
-        return kv_int8_bytes_per_token(num_layers, num_kv_heads, head_dim)
-    if kv_cache_dtype == "fp8":
-        return kv_fp8_bytes_per_token(num_layers, num_kv_heads, head_dim)
-    if kv_cache_dtype in FLOAT_POOLS:
-        dtype_bytes = FLOAT_POOLS[kv_cache_dtype].itemsize
-    elif kv_cache_dtype != "auto":
-        raise ValueError(
-            f"kv_cache_dtype must be one of ('auto', 'fp32', 'fp16', 'int8', 'fp8'), "
-            f"got {kv_cache_dtype!r}"
-        )
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
 # Plain float pools of another type than the model's (the torch backend casts; torch_ref.py)
 FLOAT_POOLS = {"fp32": torch.float32, "fp16": torch.float16}
+assert {k: v.itemsize for k, v in FLOAT_POOLS.items()} == FLOAT_POOL_BYTES
 
 
 def resolve_kv_cache_dtype(

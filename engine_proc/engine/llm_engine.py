@@ -22,7 +22,8 @@ from engine_proc.attention.kv_quant import kv_bytes_per_token, resolve_kv_cache_
 from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
 from engine_proc.config import EngineConfig
 from engine_proc.core.kv_cache_manager import KVCacheManager, root_hash
-from engine_proc.core.kv_groups import KVLayout, plan_layout
+from engine_proc.core.kv_groups import KVLayout
+from engine_proc.core.kv_sizing import block_bytes, engine_layout, pool_blocks
 from engine_proc.core.request import Sequence
 from engine_proc.core.scheduler import Scheduler, SchedulerLimits
 from engine_proc.detokenizer import IncrementalDetokenizer
@@ -83,10 +84,10 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         self.kv_layout = layout = self._kv_layout(config, kv_dtype)
         self.block_size = config.block_size
         # a block (page) holds group_size layers: every layer without groups
-        self.block_bytes = kv_bytes_per_token(
-            kv_dtype, layout.group_size, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
-        ) * self.block_size
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // self.block_bytes)
+        self.block_bytes = block_bytes(
+            kv_dtype, layout, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize, self.block_size
+        )
+        num_blocks = pool_blocks(config.num_kv_blocks, config.kv_cache_memory, self.block_bytes)
         kv_cache = torch.zeros(
             (layout.group_size, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
             dtype=kv_pool_dtype(kv_dtype, self.dtype),
@@ -286,9 +287,9 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
 
     def _kv_layout(self, config: EngineConfig, kv_dtype: str) -> KVLayout:
         mc = self.model_config
-        layout = plan_layout(mc.layer_types, mc.num_layers, mc.sliding_window)
-        if not config.hybrid_kv or not layout.is_hybrid:
-            return plan_layout((), mc.num_layers, None)
+        layout = engine_layout(mc.layer_types, mc.num_layers, mc.sliding_window, config.hybrid_kv)
+        if not layout.is_hybrid:
+            return layout
         if kv_dtype == "fp8":
             raise ValueError("kv_cache_dtype='fp8' (per-layer scales) with a hybrid KV cache "
                              f"({mc.architecture}) is not supported; use hybrid_kv=False or "

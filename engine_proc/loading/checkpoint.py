@@ -9,8 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.registry import (
     extra_layer_weights,
@@ -18,7 +16,8 @@ from engine_proc.models.registry import (
     supported_hf_architectures,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch only in annotations: the model catalog reads configs without it
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 SUPPORTED_ARCHITECTURES = supported_hf_architectures()

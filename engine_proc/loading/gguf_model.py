@@ -11,19 +11,19 @@ import re
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from engine_proc.loading.checkpoint import Checkpoint, ProgressFn
-from engine_proc.loading.experts import ExpertStacker
-from engine_proc.loading.gguf_file import GgufFile, GgufTensor, dequantize
+from engine_proc.loading.gguf_header import GgufFile, GgufTensor
 from engine_proc.loading.tokenizer_cache import gguf_tokenizer
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.family import Family
-from engine_proc.models.layers import llama3_scale
 from engine_proc.models.registry import family_for_gguf
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: gguf_config() runs without it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +48,14 @@ _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
+    from engine_proc.loading.experts import ExpertStacker  # torch: not on the catalog's path
+    from engine_proc.loading.gguf_file import dequantize
+
     report(0.0, f"reading {path.name}")
     t0 = time.perf_counter()
-    try:
-        gguf_file = GgufFile(path)
-    except (struct.error, UnicodeDecodeError, KeyError) as exc:
-        raise ValueError(f"model={str(path)!r}: truncated or corrupt GGUF file ({exc!r})") from exc
+    gguf_file, family, config = gguf_config(path)
     meta, tensors = gguf_file.metadata, gguf_file.tensors
     logger.debug("parsed GGUF header of %s in %.2f s", path.name, time.perf_counter() - t0)
-    arch = meta.get("general.architecture")
-    general_name = str(meta.get("general.name", "") or "")
-    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
-    family = family_for_gguf(arch, general_name, f"model={str(path)!r}", experts)
-    config = _gguf_config(meta, arch, tensors, path, family)
 
     weights: dict[str, torch.Tensor] = {}
     stacker = ExpertStacker(config, dtype) if config.num_experts else None
@@ -91,9 +86,26 @@ def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
     return Checkpoint(config, weights, tokenizer, str(path), display)
 
 
+def gguf_config(path: Path, rope_freqs: bool = True) -> tuple[GgufFile, Family, ModelConfig]:
+    """A GGUF file's header -> (the file, its family, the ModelConfig), no tensor data read;
+    ValueError naming what the engine cannot run. rope_freqs=False skips recovering Llama 3 rope
+    scaling from rope_freqs.weight (the one check that reads a tensor, with torch)."""
+    try:
+        gguf_file = GgufFile(path)
+    except (struct.error, UnicodeDecodeError, KeyError) as exc:
+        raise ValueError(f"model={str(path)!r}: truncated or corrupt GGUF file ({exc!r})") from exc
+    meta, tensors = gguf_file.metadata, gguf_file.tensors
+    arch = meta.get("general.architecture")
+    general_name = str(meta.get("general.name", "") or "")
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)  # Mixtral is stored as `llama`
+    family = family_for_gguf(arch, general_name, f"model={str(path)!r}", experts)
+    return gguf_file, family, _gguf_config(meta, arch, tensors, path, family, rope_freqs)
+
+
 def _gguf_config(
-    meta: dict[str, Any], arch: str, tensors: dict[str, GgufTensor], path: Path, family: Family
-) -> ModelConfig:
+    meta: dict[str, Any], arch: str, tensors: dict[str, GgufTensor], path: Path, family: Family,
+    rope_freqs: bool = True,
+) -> ModelConfig:  # fmt: skip
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
@@ -138,7 +150,7 @@ def _gguf_config(
         extra = family.gguf_fields(key, common)
     except ValueError as exc:
         raise ValueError(f"model={str(path)!r}: {exc}") from None
-    if "rope_scaling" not in extra:
+    if "rope_scaling" not in extra and (rope_freqs or "rope_freqs.weight" not in tensors):
         extra["rope_scaling"] = _gguf_rope_scaling(meta, arch, tensors, head_dim, path)
     if extra.get("num_experts"):  # layers without a router keep a dense MLP
         routed = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(common["num_layers"])]
@@ -160,6 +172,10 @@ def _gguf_rope_scaling(
         )
     if "rope_freqs.weight" not in tensors:
         return None
+    import torch
+
+    from engine_proc.loading.gguf_file import dequantize
+
     # llama.cpp bakes Llama 3 rope scaling into per-frequency divisors; recover parameters that
     # produce exactly those divisors, since the engine takes the HF-style dict. low/high freq
     # factors are Meta's (1, 4); original_max_position_embeddings is solved for.
@@ -199,6 +215,10 @@ def _gguf_rope_scaling(
 def _llama3_freq_factors(scaling: dict, theta: float, head_dim: int) -> torch.Tensor:
     """Divisors llama.cpp's converter stores in rope_freqs.weight for these llama3 parameters:
     plain inverse frequencies over the ones the engine's rotary tables use."""
+    import torch
+
+    from engine_proc.models.layers import llama3_scale
+
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     return inv_freq / llama3_scale(inv_freq, scaling)
 

@@ -10,9 +10,7 @@ import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine_proc.loading.checkpoint import (
     ACCEPTED_MODELS,
@@ -20,10 +18,12 @@ from engine_proc.loading.checkpoint import (
     ProgressFn,
     expected_weight_names,
 )
-from engine_proc.loading.experts import ExpertStacker
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.family import Family
 from engine_proc.models.registry import family_for_hf
+
+if TYPE_CHECKING:  # torch only in annotations: hf_config() runs without it (the model catalog)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,7 @@ def _read_json(path: Path) -> Any:
 
 def load_hf_dir(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
     report(0.0, f"reading {path.name}/config.json")
-    raw = _read_json(path / "config.json")
-    if not isinstance(raw, dict):
-        kind = type(raw).__name__
-        raise ValueError(f"{path / 'config.json'}: expected a JSON object, got {kind}")
-    family = family_for_hf(raw.get("architectures") or [], f"model={str(path)!r}")
-    config = _hf_config(raw, path, family)
+    raw, family, config = hf_config(path)
     files = _safetensors_files(path)
     weights = _read_safetensors(files, config, dtype, report)
     if family.hf_norms_plus_one:  # Gemma's (1 + weight) RMSNorm, folded once
@@ -65,6 +60,17 @@ def load_hf_dir(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoin
     if tokenizer.chat_template is None:
         logger.warning("%s has no chat template; chat messages cannot be formatted", path)
     return Checkpoint(config, weights, tokenizer, str(path), f"{path.name} (safetensors)")
+
+
+def hf_config(path: Path) -> tuple[dict, Family, ModelConfig]:
+    """config.json of a Hugging Face directory -> (its JSON, the family, the ModelConfig), no
+    tensors read; ValueError naming what the engine cannot run."""
+    raw = _read_json(path / "config.json")
+    if not isinstance(raw, dict):
+        kind = type(raw).__name__
+        raise ValueError(f"{path / 'config.json'}: expected a JSON object, got {kind}")
+    family = family_for_hf(raw.get("architectures") or [], f"model={str(path)!r}")
+    return raw, family, _hf_config(raw, path, family)
 
 
 def _hf_config(raw: dict, path: Path, family: Family) -> ModelConfig:
@@ -151,6 +157,8 @@ def _read_safetensors(
     files: list[Path], config: ModelConfig, dtype: torch.dtype, report: ProgressFn
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
+
+    from engine_proc.loading.experts import ExpertStacker  # torch: not on the catalog's path
 
     wanted = set(expected_weight_names(config)) | {"lm_head.weight"}
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]

@@ -111,8 +111,8 @@ def _resolve_model_path(model: str | os.PathLike[str]) -> Path:
             f"model must be None or a non-empty path string; accepted: {ACCEPTED_MODELS}"
         )
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path.resolve()
+    if path.is_file() and (path.suffix.lower() == ".gguf" or _gguf_magic(path)):
+        return path.resolve()  # Ollama keeps GGUFs as blobs/sha256-<hex>, with no suffix
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
     if not path.exists():
@@ -122,3 +122,11 @@ def _resolve_model_path(model: str | os.PathLike[str]) -> Path:
     else:
         problem = "is not a .gguf file"
     raise ValueError(f"model={model!r} {problem}; accepted: {ACCEPTED_MODELS}")
+
+
+def _gguf_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

@@ -139,6 +139,7 @@ class ChatPanel(QWidget):
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.store = store
+        self.model_name = ""  # the engine's model (Welcome.model.name), saved with each turn
         self.convs: dict[str, Conversation] = {}
         self.current: Conversation | None = None
         # rid -> (conv id, reply, {"n": tokens streamed so far})
@@ -282,6 +283,8 @@ class ChatPanel(QWidget):
         item = QListWidgetItem(conv.title)
         item.setData(Qt.ItemDataRole.UserRole, conv.id)
         item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
+        if conv.model:
+            item.setToolTip(f"model: {conv.model}")
         self.conv_list.blockSignals(True)
         if top:
             self.conv_list.insertItem(0, item)
@@ -471,12 +474,14 @@ class ChatPanel(QWidget):
             return None
         conv = self.current
         conv.messages.append(Message("user", text))
+        previous_model, conv.model = conv.model, self.model_name or conv.model
         try:  # the user's turn is on disk before the input box is cleared
             if conv.title == "New chat":
                 self.rename_conversation(conv.id, conv.auto_title())
             self.store.save(conv)
         except OSError as exc:
             conv.messages.pop()
+            conv.model = previous_model
             log.error("could not save conversation %s: %s", conv.id, exc)
             self.notice.setText(
                 f"Could not save the conversation ({exc.strerror or exc}): nothing was sent and "
@@ -484,6 +489,9 @@ class ChatPanel(QWidget):
             )
             return None
         conv.draft = ""
+        item = self._item_for(conv.id)
+        if item is not None and conv.model:
+            item.setToolTip(f"model: {conv.model}")
         self.input.blockSignals(True)
         self.input.clear()
         self.input.blockSignals(False)

@@ -10,6 +10,8 @@ map. Each other concept has its own module, a collaborator holding a reference t
   engine fails or stops answering.
 - ui/window/options.py (`window.option_menus`): *Decode weights* and *KV cache*, the options the
   engine starts with.
+- ui/window/models_menu.py (`window.model_menu`): *File → Open model…* and *File → Models…*
+  (ui/models/dialog.py), which restart the engine on the chosen model.
 - ui/window/remote.py (`window.remote`): `--connect http://HOST:PORT` or *Engine → Connect to
   server…*: vLLM, SGLang, llama.cpp's server or a KVScope front-end, through one `RemoteLink`
   worker thread (ui/remote/link.py). A KVScope server feeds the same block map and charts from its
@@ -69,6 +71,7 @@ from ui.window.connect_dialog import ConnectDialog
 from ui.window.controls import ControlsPanel, LoadPanel, config_dict
 from ui.window.engine import EngineLifecycle
 from ui.window.feed import TelemetryFeed
+from ui.window.models_menu import ModelMenu
 from ui.window.options import EngineOptionMenus
 from ui.window.remote import RemoteWatch
 from ui.window.source import EngineSource
@@ -109,6 +112,7 @@ class MainWindow(QMainWindow):
             k: collections.deque(maxlen=10_000) for k in ("refresh", "frames", "replies")}
         self.lifecycle = EngineLifecycle(self)
         self.option_menus = EngineOptionMenus(self)
+        self.model_menu = ModelMenu(self)
         self.remote = RemoteWatch(self)
         self._chat_aliases = self.remote.aliases  # chat request id -> its HTTP response id
         self.api_toggle = ApiToggle(self)
@@ -231,6 +235,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(central)
 
     def _build_menu(self) -> None:
+        self.model_menu.add_file_menu(self.menuBar())
         menu = self.menuBar().addMenu("&Engine")
         restart = self.restart_action = QAction("&Restart engine", self)
         restart.setShortcut(QKeySequence("Ctrl+Shift+R"))
