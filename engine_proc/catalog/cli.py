@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine_proc.catalog.estimate import DTYPE_BYTES, available_memory, estimate
 from engine_proc.catalog.inspect import ModelEntry, inspect
-from engine_proc.catalog.stores import discover
+from engine_proc.catalog.stores import builtin, discover
 from engine_proc.core.kv_sizing import KV_CACHE_DTYPES
 
 MAX_LISTED = 20  # candidates named in a resolution error
@@ -45,7 +45,10 @@ def catalog(dirs: list[str], context: int | None, kv_cache_dtype: str, dtype: st
             ) -> tuple[list[ModelEntry], list[dict]]:  # fmt: skip
     """The entries and, per entry, its JSON with an "estimate" (None when unsupported)."""
     free = available_memory()
-    entries = [inspect(f) for f in discover([Path(d) for d in dirs])]
+    found = discover([Path(d) for d in dirs])
+    paths = {f.path.resolve() for f in found}
+    found = [f for f in builtin() if f.path.resolve() not in paths] + found
+    entries = [inspect(f) for f in found]
     rows = []
     for e in entries:
         row = e.to_json()

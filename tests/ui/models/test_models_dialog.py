@@ -13,7 +13,7 @@ from PySide6.QtCore import Qt
 from app.conversations import Conversation, ConversationStore
 from app.models import FOLDERS_KEY
 from app.settings import SamplingDefaults, open_settings
-from tests.engine_proc.catalog.stores_fixture import make_home
+from tests.engine_proc.catalog.stores_fixture import make_home, with_builtin
 from tests.ui.conftest import DictSettings
 from ui.models.dialog import ModelsDialog
 from ui.models.table import COLUMNS
@@ -28,7 +28,7 @@ FIT = COLUMNS.index("Fit")
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     root = tmp_path_factory.mktemp("models-ui")
-    return root, make_home(root)
+    return root, with_builtin(make_home(root))
 
 
 @pytest.fixture()
