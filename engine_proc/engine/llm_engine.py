@@ -118,12 +118,16 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         )
         self.num_blocks = num_blocks
         attention_backend = config.attention_backend
-        if self.model_config.has_sliding_layers and self.device.type == "cuda":
+        lacks = [what for present, what in (
+            (self.model_config.has_sliding_layers, "sliding-window layers"),
+            (self.model_config.attn_logit_softcap is not None, "attention logit soft-capping"),
+        ) if present]  # fmt: skip
+        if lacks and self.device.type == "cuda":
             if attention_backend == "triton":
-                raise ValueError("attention_backend='triton' has no sliding-window layers yet "
+                raise ValueError(f"attention_backend='triton' has no {' / '.join(lacks)} yet "
                                  f"({self.model_config.architecture}); use 'torch' or 'auto'")
-            logger.warning("%s has sliding-window layers, which the Triton kernels do not "
-                           "mask yet: using torch attention", self.model_config.architecture)
+            logger.warning("%s has %s, which the Triton kernels do not compute yet: using torch "
+                           "attention", self.model_config.architecture, " and ".join(lacks))
             attention_backend = "torch"
         self.backend = select_backend(attention_backend, self.device, kv_dtype)
         self.runner = ModelRunner(

@@ -2,8 +2,8 @@
 
 Every family (engine_proc/models/registry.py) maps onto this one description; the forward pass
 (engine_proc/models/llama.py) reads the features a family turns on: q/k norms (Qwen3, Gemma 3),
-sliding-window layers (Mistral, Gemma 3), Gemma's sandwich norms, scaled embeddings and
-GELU-tanh MLP."""
+sliding-window layers (Mistral, Phi-3, Gemma 2/3), Gemma's sandwich norms, scaled embeddings
+and GELU-tanh MLP, Gemma 2's soft-capping, Phi's partial rotary and LongRoPE tables."""
 
 from __future__ import annotations
 
@@ -30,7 +30,10 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v biases (Qwen2)
-    rope_scaling: dict | None = None  # llama3-style: factor, low/high_freq_factor, original_max...
+    # llama3: factor, low/high_freq_factor, original_max_position_embeddings; linear: factor;
+    # longrope: short_factor, long_factor (tuples), original_max_position_embeddings,
+    # attention_factor (see layers.longrope_tables)
+    rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3)
@@ -41,12 +44,22 @@ class ModelConfig:
     hidden_act: str = "silu"  # of the gated MLP, from HIDDEN_ACTS
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
+    rotary_dim: int | None = None  # rotary on the first rotary_dim of each head (Phi-4-mini)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         assert not self.layer_types or len(self.layer_types) == self.num_layers, self.layer_types
         assert all(t in LAYER_TYPES for t in self.layer_types), self.layer_types
         assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
         assert SLIDING_ATTENTION not in self.layer_types or self.sliding_window, self.sliding_window
+        assert self.rotary_dim is None or (0 < self.rotary_dim < self.head_dim
+                                           and self.rotary_dim % 2 == 0), self.rotary_dim  # fmt: skip
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dimensions of each head the rotary embedding turns."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def layer_window(self, layer: int) -> int | None:
         """How many keys (up to and including its own position) a query of this layer sees;
