@@ -13,9 +13,8 @@ cannot express, takes an explicit path (_attend_softcapped) over the same plans.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

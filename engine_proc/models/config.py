@@ -53,8 +53,8 @@ class ModelConfig:
         assert all(t in LAYER_TYPES for t in self.layer_types), self.layer_types
         assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
         assert SLIDING_ATTENTION not in self.layer_types or self.sliding_window, self.sliding_window
-        assert self.rotary_dim is None or (0 < self.rotary_dim < self.head_dim
-                                           and self.rotary_dim % 2 == 0), self.rotary_dim  # fmt: skip
+        rotary = self.rotary_dim
+        assert rotary is None or (0 < rotary < self.head_dim and rotary % 2 == 0), rotary
 
     @property
     def rope_dim(self) -> int:

@@ -17,7 +17,8 @@ import numpy as np
 
 from engine_proc.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from engine_proc.models.families.common import window_fields
-from engine_proc.models.families.gemma3 import ACTIVATIONS, FAMILY as GEMMA3, gguf_layer_pattern
+from engine_proc.models.families.gemma3 import ACTIVATIONS, gguf_layer_pattern
+from engine_proc.models.families.gemma3 import FAMILY as GEMMA3
 from engine_proc.models.family import Family, GgufKey
 
 GGUF_SLIDING_PATTERN = 2
