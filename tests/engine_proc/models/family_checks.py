@@ -81,3 +81,21 @@ def check_gguf(layout: Layout, prompt: list[int]) -> None:
     assert engine.model_config == engine_for(layout).model_config
     ours = all_position_logits(engine, prompt)
     torch.testing.assert_close(ours, reference_logits(layout, prompt), atol=1e-4, rtol=1e-4)
+
+
+def check_llama_cpp(layout: Layout, prompt: list[int]) -> None:
+    """The GGUF writer checked by a reader we did not write: llama.cpp's own forward on it
+    gives transformers' logits (optional: needs llama-cpp-python)."""
+    import pytest
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    arch, params = layout
+    f32 = 0  # GGML_TYPE_F32: a float32 KV cache (llama.cpp's default is f16)
+    llm = llama_cpp.Llama(str(tiny_gguf_file(arch, **params)), n_ctx=128, logits_all=True,
+                          verbose=False, n_threads=2, type_k=f32, type_v=f32)  # fmt: skip
+    llm.eval(prompt)
+    theirs = torch.tensor(llm.scores[: len(prompt)], dtype=torch.float32)
+    ref = reference_logits(layout, prompt)
+    # llama.cpp rounds some products through f16 (test_families.py: 3.5e-3 seen)
+    torch.testing.assert_close(theirs, ref, atol=1e-2, rtol=1e-3)
+    assert torch.equal(theirs.argmax(-1), ref.argmax(-1))

@@ -16,6 +16,7 @@ import torch
 from tests.engine_proc.models.family_checks import (
     PROMPT,
     check_gguf,
+    check_llama_cpp,
     check_logits_and_greedy,
     check_preemption,
     engine_for,
@@ -94,6 +95,10 @@ def test_a_gguf_of_the_same_weights_gives_transformers_logits(name):
     """gemma2 GGUF: the caps, the window, norms stored as 1 + w, llama.cpp's period-2 layer
     pattern (per-layer flags written where the layers differ from it)."""
     check_gguf(LAYOUTS[name], PROMPT)
+
+
+def test_llama_cpp_reads_the_test_gguf_as_transformers_does():
+    check_llama_cpp(LAYOUTS["gqa-tied-window8"], PROMPT)
 
 
 def test_fused_cpu_step_names_what_it_cannot_express():

@@ -31,6 +31,7 @@ from tests.engine_proc.models.family_checks import (
     NEW_TOKENS,
     PROMPT,
     check_gguf,
+    check_llama_cpp,
     check_logits_and_greedy,
     check_preemption,
     engine_for,
@@ -139,6 +140,40 @@ def test_a_gguf_of_the_same_weights_gives_transformers_logits(name):
     """llama.cpp's phi3 layout: attn_qkv and ffn_up (gate and up) fused, rope_factors_long /
     _short, rope.scaling.attn_factor / original_context_length, rope.dimension_count."""
     check_gguf(LAYOUTS[name], _prompt(name))
+
+
+def test_llama_cpp_reads_the_test_gguf_as_transformers_does():
+    """Without window or LongRoPE: llama.cpp turns Phi-3's window off and picks LongRoPE factors
+    by its context size, so only the plain layout is comparable."""
+    check_llama_cpp(LAYOUTS["gqa-untied"], PROMPT)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+         r"rope_type='yarn' is not supported for Phi3ForCausalLM \(default, longrope\)"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                              "partial_rotary_factor": 0.1}},
+         r"partial_rotary_factor=0.1"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0],
+                              "long_factor": [1.0], "original_max_position_embeddings": 32}},
+         r"longrope short_factor has 1 entries, expected 8"),
+    ],
+)  # fmt: skip
+def test_bad_phi3_configs_are_refused_by_name(tmp_path, change, message):
+    import json
+    import shutil
+
+    from engine_proc.loading.loader import load_checkpoint
+    from tests.tiny_models import tiny_model_dir
+
+    dst = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir("phi3"), dst)
+    config = json.loads((dst / "config.json").read_text()) | change
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(str(dst), torch.float32)
 
 
 def test_fused_cpu_step_names_what_it_cannot_express():
