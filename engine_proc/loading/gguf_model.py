@@ -102,6 +102,9 @@ def _gguf_config(
     if not 0 < rope_dim <= head_dim or rope_dim % 2:
         raise ValueError(f"model={str(path)!r}: rope.dimension_count={rope_dim} for head_dim="
                          f"{head_dim} (even, at most head_dim expected)")  # fmt: skip
+    if rope_dim < head_dim and family.gguf_permutes_qk:  # its row permutation spans the head
+        raise ValueError(f"model={str(path)!r}: partial rotary (rope.dimension_count={rope_dim}, "
+                         f"head_dim={head_dim}) is not supported for {arch} GGUFs")  # fmt: skip
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise ValueError(f"model={str(path)!r}: value heads of another size than key heads")
     if "token_embd.weight" not in tensors:

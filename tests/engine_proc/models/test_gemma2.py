@@ -107,3 +107,16 @@ def test_fused_cpu_step_names_what_it_cannot_express():
     why = architecture_unsupported_reason(engine_for(LAYOUTS["gqa-tied-window8"]).model_config)
     assert why is not None
     assert "attention logit soft-capping" in why and "final logit soft-capping" in why
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_soft_capping_runs_the_torch_attention():
+    """The Triton kernels have no cap: 'triton' is refused by name, 'auto' takes torch attention
+    and still gives transformers' logits."""
+    layout = LAYOUTS["gqa-tied-window8"]
+    with pytest.raises(ValueError, match="attention logit soft-capping"):
+        engine_for(layout, device="cuda", attention_backend="triton")
+    engine = engine_for(layout, device="cuda", attention_backend="auto")
+    assert engine.backend.name == "torch"
+    ours = all_position_logits(engine, PROMPT).cpu()
+    torch.testing.assert_close(ours, reference_logits(layout, PROMPT), atol=1e-4, rtol=1e-4)
