@@ -50,6 +50,7 @@ def longrope_inv_freq(config: ModelConfig, factors: tuple[float, ...],
                          f"{ext.numel()}")  # fmt: skip
     return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
+
 def llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     # Same piecewise rule as Meta's reference: keep high frequencies, divide low ones by factor,
     # interpolate smoothly between.
