@@ -47,6 +47,15 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+
+def longrope_original(config: ModelConfig) -> int | None:
+    """LongRoPE's original_max_position_embeddings (Phi-3), past which a sequence rotates with
+    the long factors; None for other rotary embeddings."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
+
 class LLMEngine(Tokenization, StepOutputs, LiveControl):
     def __init__(
         self,
@@ -172,6 +181,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             SchedulerLimits(
                 config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk
             ),
+            longrope_original=longrope_original(mc),
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}

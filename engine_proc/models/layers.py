@@ -71,14 +71,15 @@ def llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """cos/sin tables for every position up to the model's context, built once.
 
-    LongRoPE: positions below original_max_position_embeddings rotate with the short factors,
-    the rest with the long ones, all times attention_factor. A token's rotation depends on its
-    position only (its K in the cache stays valid, prefix caching holds). transformers 5 picks
-    one set per forward call by the call's largest position + 1: the same as this for every
-    decode step and for prompts up to original_max_position_embeddings; a longer prompt it
-    rotates entirely with the long factors, where this keeps its first positions short. vLLM
-    switches a whole batch to the long set when any of its positions exceeds the original
-    length; llama.cpp picks one set by the context size (n_ctx) for the whole run."""
+    LongRoPE: two tables, both times attention_factor: rows [0, max_positions) with the short
+    factors, then the same positions with the long ones (`long_offset` rows on). A sequence
+    longer than original_max_position_embeddings reads the long rows at every position (the
+    model runner adds long_offset to its positions; the scheduler recomputes a sequence that
+    grows past that length), as transformers does: its forward picks one set by the call's
+    largest position + 1, and Phi-3's generate() re-encodes the whole sequence with the long
+    factors at the step that outgrows the original length. vLLM instead switches a whole batch
+    to the long set when any of its positions exceeds it (keeping earlier K as they were);
+    llama.cpp picks one set by its context size (n_ctx) for the whole run."""
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device,
                  theta: float | None = None, scaled: bool = True) -> None:
@@ -87,11 +88,12 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv_freq)
         scaling = (config.rope_scaling or {}) if scaled else {}
         mscale = 1.0
+        self.long_offset: int | None = None
         if scaling.get("rope_type") == "longrope":
-            original = int(scaling["original_max_position_embeddings"])
             base = config.rope_theta if theta is None else theta
             long = longrope_inv_freq(config, scaling["long_factor"], base)
-            freqs[original:] = torch.outer(t[original:], long)
+            freqs = torch.cat([freqs, torch.outer(t, long)])
+            self.long_offset = max_positions
             mscale = float(scaling["attention_factor"])
         emb = torch.cat((freqs, freqs), dim=-1)  # rotary_dim wide, as rotate_half wants
         self.cos = emb.cos().to(device)

@@ -6,18 +6,11 @@ and the GGUF of the same weights as llama.cpp's converter writes it.
 
 Phi-3 has no head_dim of its own (always hidden / heads), so no layout varies it.
 
-LongRoPE: the tiny models' original_max_position_embeddings is 32. Our rotary tables pick the
-factors by a token's own position (short below 32, long from 32 on; see RotaryEmbedding), so a
-token's K never changes once cached. transformers picks one set for the whole sequence: a
-forward call whose largest position + 1 exceeds 32 rotates every token with the long factors,
-and Phi-3's generate() (prepare_inputs_for_generation) drops its cache at the step that reaches
-33 tokens and encodes the whole sequence again with them. So:
-- sequences that stay within 32 tokens (prompt and reply): logits and generate()'s tokens
-  match exactly (test_logits_and_greedy_tokens_match_transformers, 18 + 12 tokens);
-- past 32 tokens, ours equals transformers called one token at a time on its own cache (no
-  generate() reset), which applies the same per-position rule; transformers' one-call forward
-  of a longer prompt and generate() crossing 32 differ from it, and the tests below assert that
-  they do (test_past_the_original_length_*)."""
+LongRoPE: the tiny models' original_max_position_embeddings is 32, so the 45-token prompt is
+past it (transformers' forward rotates every position with the long factors; so do we), an
+18-token prompt with its 12 new tokens stays within it (short factors), and a 25- or 32-token
+prompt grows past it while decoding (Phi-3's generate() then re-encodes the sequence with the
+long factors; the scheduler recomputes it)."""
 
 from __future__ import annotations
 
@@ -37,9 +30,7 @@ from tests.engine_proc.models.family_checks import (
     engine_for,
     reference,
     reference_greedy,
-    reference_logits,
 )
-from tests.engine_proc.models.test_llama import all_position_logits
 
 LAYOUTS = {
     "gqa-untied": ("phi3", dict(num_heads=4, num_kv_heads=2)),
@@ -53,12 +44,10 @@ LAYOUTS = {
     "partial-half": ("phi3", dict(num_kv_heads=2, partial_rotary_factor=0.5)),
 }  # fmt: skip
 ORIGINAL = 32  # tiny_models.phi3_longrope's original_max_position_embeddings
-SHORT_PROMPT = PROMPT[:18]  # + 12 new tokens: within the original 32
-CROSSING_PROMPT = PROMPT[:25]  # + 12 new tokens: generation crosses position 32
 
 
 def _prompt(name: str) -> list[int]:
-    return SHORT_PROMPT if "longrope" in name else PROMPT
+    return PROMPT
 
 
 CASES = [(name, 16) for name in LAYOUTS] + [("mqa-tied-window8", 7), ("partial-longrope-tied", 7)]
@@ -86,45 +75,18 @@ def test_longrope_config_follows_transformers():
     assert scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(16) / math.log(32)))
 
 
-def _stepwise(layout, prompt: list[int], first: int, new_tokens: int = 0):
-    """transformers fed prompt[:first] in one call, then one token per call on its own cache
-    (the rest of the prompt, then its greedy choices): logits of every prompt position and the
-    new tokens."""
-    model = reference(layout)
-    with torch.no_grad():
-        out = model(torch.tensor([prompt[:first]]), use_cache=True)
-        rows, cache = [out.logits[0]], out.past_key_values
-        for token in prompt[first:]:
-            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
-            rows.append(out.logits[0])
-            cache = out.past_key_values
-        tokens = [int(rows[-1][-1].argmax())]
-        while len(tokens) < new_tokens:
-            out = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-            cache = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-    return torch.cat(rows).float(), tokens[:new_tokens]
-
-
 @pytest.mark.parametrize("name", ["gqa-longrope", "partial-longrope-tied"])
-def test_past_the_original_length_a_long_prompt(name):
-    """45 tokens: ours equals transformers fed token by token from position 32 on; its one-call
-    forward (long factors at every position) differs."""
+@pytest.mark.parametrize("length", [18, 25, ORIGINAL])
+def test_longrope_replies_within_and_across_the_original_length(name, length):
+    """18 + 12 tokens stay within 32; 25 + 12 and 32 + 12 grow past it while decoding: the
+    sequence is recomputed once under the long factors, and generate()'s tokens come out."""
     layout = LAYOUTS[name]
-    ours = all_position_logits(engine_for(layout, 7), PROMPT)
-    stepwise, _ = _stepwise(layout, PROMPT, ORIGINAL)
-    torch.testing.assert_close(ours, stepwise, atol=1e-4, rtol=1e-4)
-    assert (reference_logits(layout, PROMPT) - stepwise).abs().max() > 1e-2
-
-
-def test_past_the_original_length_a_reply_crossing_it():
-    """25 + 12 tokens: greedy tokens equal transformers' own step-by-step decode; generate()
-    (which re-encodes the sequence with the long factors at 33 tokens) chooses others."""
-    layout = LAYOUTS["gqa-longrope"]
-    (ours,) = engine_for(layout).generate([CROSSING_PROMPT], GREEDY)
-    _, tokens = _stepwise(layout, CROSSING_PROMPT, len(CROSSING_PROMPT) - 1, NEW_TOKENS)
-    assert ours.token_ids == tokens
-    assert reference_greedy(layout, CROSSING_PROMPT) != tokens
+    prompt = PROMPT[:length]
+    check_logits_and_greedy(layout, 7, prompt)
+    engine = engine_for(layout, enable_prefix_caching=False)
+    (out,) = engine.generate([prompt], GREEDY)
+    assert out.token_ids == reference_greedy(layout, prompt)
+    assert engine.stats.num_preemptions == (0 if length + NEW_TOKENS <= ORIGINAL else 1)
 
 
 @pytest.mark.parametrize("name", ["mqa-tied-window8", "partial-longrope-tied"])
