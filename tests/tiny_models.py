@@ -28,7 +28,8 @@ import torch
 TOKENIZER_VOCAB_SIZE = 49152
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+PHI_GEMMA2_ARCHITECTURES = ("phi3", "gemma2")  # built by _phi_gemma2_config below
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3") + PHI_GEMMA2_ARCHITECTURES
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
     "factor": 4.0,
@@ -87,6 +88,8 @@ def tiny_model_dir(
     layer_types: tuple[str, ...] | None = None,
     query_pre_attn_scalar: int | None = None,
     seed: int = 0,
+    partial_rotary_factor: float = 1.0,
+    softcapping: tuple[float | None, float | None] = (2.0, 5.0),
 ) -> Path:
     """Build (once per parameter set and session) a tiny HF checkpoint directory; return its path.
 
@@ -96,6 +99,8 @@ def tiny_model_dir(
     qwen2/qwen3 turn on use_sliding_window) or on the sliding ones of `layer_types` (gemma3, whose
     default is sliding then full, alternating; and qwen2/qwen3). query_pre_attn_scalar: gemma3's
     (default head_dim, as the released models but the 27B; GGUF has no key for it).
+    phi3 / gemma2: see _phi_gemma2_config (rope_scaling "longrope", partial_rotary_factor,
+    softcapping = (attention, final) caps, small so that they bend the tiny model's values).
     """
     params = dict(locals())
     key = json.dumps(params, sort_keys=True)
@@ -161,6 +166,9 @@ def _validate(
             "llama's attention_bias also biases o_proj, which the engine does not support; "
             "use architecture='qwen2' for q/k/v biases"
         )
+    if architecture in PHI_GEMMA2_ARCHITECTURES:
+        _validate_phi_gemma2(architecture, attention_bias, rope_scaling)
+        return
     if rope_scaling is not None and rope_scaling != "llama3" and not isinstance(rope_scaling, dict):
         raise ValueError(f"rope_scaling must be None, 'llama3' or a dict, got {rope_scaling!r}")
 
@@ -182,6 +190,8 @@ def _hf_config(
     layer_types: tuple[str, ...] | None,
     query_pre_attn_scalar: int | None,
     seed: int,
+    partial_rotary_factor: float,
+    softcapping: tuple[float | None, float | None],
 ) -> Any:
     from transformers import (
         Gemma3TextConfig,
@@ -192,7 +202,7 @@ def _hf_config(
     )
 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
-    if rope_scaling is not None:
+    if rope_scaling is not None and rope_scaling != "longrope":  # phi3's: _phi_gemma2_config
         scaling = LLAMA3_ROPE_SCALING if rope_scaling == "llama3" else rope_scaling
         rope = {**scaling, "rope_theta": rope_theta}
     common = dict(
@@ -210,6 +220,10 @@ def _hf_config(
         eos_token_id=EOS_TOKEN_ID,
         rope_parameters=rope,
     )
+    if architecture in PHI_GEMMA2_ARCHITECTURES:
+        return _phi_gemma2_config(architecture, common, rope_theta, rope_scaling, sliding_window,
+                                  layer_types, query_pre_attn_scalar, partial_rotary_factor,
+                                  softcapping)  # fmt: skip
     window = {"use_sliding_window": sliding_window is not None, "sliding_window": sliding_window}
     if layer_types is not None:
         window["layer_types"] = list(layer_types)
@@ -252,7 +266,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         else:
             # q/k larger than 1/sqrt(fan_in): attention scores with std ~2, not near uniform;
             # lm_head larger: logits with std ~3, so greedy choices are not near-ties.
-            scale = 1.5 if ("q_proj" in name or "k_proj" in name) else 1.0
+            scale = 1.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 1.0
             scale = 3.0 if name == "lm_head.weight" else scale
             value = torch.randn(shape, generator=gen) * (scale / math.sqrt(shape[1]))
         param.copy_(value)
@@ -329,6 +343,9 @@ def _write_gguf(hf_dir: Path, out: Path) -> None:
     from safetensors.numpy import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
+    if config["model_type"] in PHI_GEMMA2_ARCHITECTURES:
+        _write_gguf_phi_gemma2(hf_dir, out, config)
+        return
     arch = (_GGUF_ARCH | _GGUF_MOE_ARCH)[config["model_type"]]
     tensors = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
@@ -556,3 +573,151 @@ def _moe_gguf_metadata_and_tensors(writer: Any, config: dict, tensors: dict) -> 
         stacked = np.stack([by_expert[e] for e in range(experts)])
         out[f"model.layers.{layer}.mlp.experts.{proj}"] = stacked
     return out
+
+
+# Phi-3 and Gemma 2 (kept apart from the other families' builders)
+
+
+def phi3_longrope(rotary_dims: int, original: int = 32) -> dict:
+    """LongRoPE parameters for a tiny Phi-3: seeded short factors in [1, 2) and long ones in
+    [2, 10), one per rotary frequency; a small original length, so a 45-token prompt is long."""
+    gen = torch.Generator().manual_seed(7)
+    n = rotary_dims // 2
+    short = (1.0 + torch.rand(n, generator=gen)).tolist()
+    long = (2.0 + 8.0 * torch.rand(n, generator=gen)).tolist()
+    return {"rope_type": "longrope", "short_factor": [round(x, 4) for x in short],
+            "long_factor": [round(x, 4) for x in long],
+            "original_max_position_embeddings": original}  # fmt: skip
+
+
+def _validate_phi_gemma2(architecture: str, attention_bias: bool | None,
+                         rope_scaling: str | dict | None) -> None:  # fmt: skip
+    if attention_bias:
+        raise ValueError(f"{architecture} has no q/k/v biases")
+    allowed = ("longrope",) if architecture == "phi3" else ()
+    if rope_scaling is not None and rope_scaling not in allowed and not isinstance(rope_scaling,
+                                                                                    dict):
+        raise ValueError(f"rope_scaling must be None, a dict or one of {allowed}, got "
+                         f"{rope_scaling!r}")  # fmt: skip
+
+
+def _phi_gemma2_config(
+    architecture: str, common: dict, rope_theta: float, rope_scaling: str | dict | None,
+    sliding_window: int | None, layer_types: tuple[str, ...] | None,
+    query_pre_attn_scalar: int | None, partial_rotary_factor: float,
+    softcapping: tuple[float | None, float | None],
+) -> Any:  # fmt: skip
+    from transformers import Gemma2Config, Phi3Config
+
+    if architecture == "phi3":
+        # Phi-3 has no head_dim of its own (hidden / heads); its rope carries the rotary fraction
+        head_dim = common.pop("head_dim")
+        if head_dim != common["hidden_size"] // common["num_attention_heads"]:
+            raise ValueError("phi3's head_dim is hidden_size / num_heads")
+        rope: dict[str, Any] = {"rope_type": "default"}
+        if rope_scaling == "longrope":
+            rope = phi3_longrope(int(head_dim * partial_rotary_factor))
+        elif isinstance(rope_scaling, dict):
+            rope = dict(rope_scaling)
+        rope |= {"rope_theta": rope_theta, "partial_rotary_factor": partial_rotary_factor}
+        common["rope_parameters"] = rope
+        original = rope.get("original_max_position_embeddings",
+                            common["max_position_embeddings"])  # fmt: skip
+        config = Phi3Config(sliding_window=sliding_window, pad_token_id=0,
+                            original_max_position_embeddings=original, **common)  # fmt: skip
+        config.architectures = ["Phi3ForCausalLM"]
+        return config
+    attn_cap, final_cap = softcapping
+    types = layer_types or tuple("full_attention" if i % 2 else "sliding_attention"
+                                 for i in range(common["num_hidden_layers"]))  # fmt: skip
+    config = Gemma2Config(sliding_window=sliding_window or 4096, layer_types=list(types),
+                          query_pre_attn_scalar=query_pre_attn_scalar or common["head_dim"],
+                          hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=attn_cap,
+                          final_logit_softcapping=final_cap, pad_token_id=0,
+                          **common)  # fmt: skip
+    config.architectures = ["Gemma2ForCausalLM"]
+    return config
+
+
+# llama.cpp conversion/phi.py (Phi3MiniModel) and conversion/gemma.py (Gemma2Model)
+_GGUF_PHI3_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # fused, as stored
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # gate and up, fused
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GEMMA2_LAYER = _GGUF_LAYER | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def _write_gguf_phi_gemma2(hf_dir: Path, out: Path, config: dict) -> None:
+    """What convert_hf_to_gguf.py writes for Phi3ForCausalLM / Gemma2ForCausalLM."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    arch = config["model_type"]
+    tensors = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    rope = config["rope_parameters"]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "phi3":
+        original = rope.get("original_max_position_embeddings",
+                            config.get("original_max_position_embeddings"))  # fmt: skip
+        rot_pct = rope.get("partial_rotary_factor", 1.0)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_dimension_count(int(rot_pct * hidden) // heads)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = config["max_position_embeddings"] / original
+            attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1
+            writer.add_rope_scaling_attn_factors(attn_factor)
+            writer.add_tensor("rope_factors_long.weight",
+                              np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight",
+                              np.array(rope["short_factor"], dtype=np.float32))  # fmt: skip
+        layer_names = _GGUF_PHI3_LAYER
+    else:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+        if config["layer_types"] != [("sliding_attention" if (i + 1) % 2 else "full_attention")
+                                     for i in range(config["num_hidden_layers"])]:
+            writer.add_sliding_window_pattern([t == "sliding_attention"
+                                               for t in config["layer_types"]])  # fmt: skip
+        layer_names = _GGUF_GEMMA2_LAYER
+    _add_tokenizer(writer, hf_dir)
+    for name, value in tensors.items():
+        if name == "lm_head.weight" and (config["tie_word_embeddings"] or arch == "gemma2"):
+            continue
+        if name in _GGUF_GLOBAL:
+            gguf_name = _GGUF_GLOBAL[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{layer_names[rest]}"
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            value = value + np.float32(1.0)  # Gemma2Model.modify_tensors: llama.cpp stores 1 + w
+        writer.add_tensor(gguf_name, np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -5,7 +5,8 @@ Layout of one layer's cache: k_cache, v_cache are [num_blocks, block_size, num_k
 A slot is block_id * block_size + offset. Token i of sequence s sits at position
 seq_lens[s] - query_len[s] + i and attends causally to positions 0..that position of its
 sequence, read through block_tables[s] (padded with -1, which kernels must never read); in a
-sliding-window layer only to the last `window` of those positions.
+sliding-window layer only to the last `window` of those positions. With `softcap` (Gemma 2) the
+scaled scores become softcap * tanh(scores / softcap) before the mask and softmax.
 """
 
 from __future__ import annotations
@@ -64,4 +65,5 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,  # a sliding-window layer's window (keys, itself included)
+        softcap: float | None = None,  # attention logit soft-capping (Gemma 2)
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim], dtype of query

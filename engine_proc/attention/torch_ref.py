@@ -7,11 +7,13 @@ Decode tokens (query length 1) of all sequences are served by one batched call o
 through the block tables; each prompt chunk gets its own call with a causal mask offset by its
 cached context. Index tensors and masks are built once per step (the plan) and reused by every
 layer; a sliding-window layer (a query sees its own and the window - 1 positions before it) gets
-a plan of its own with the window in its masks.
+a plan of its own with the window in its masks. Soft-capped attention (Gemma 2), which SDPA
+cannot express, takes an explicit path (_attend_softcapped) over the same plans.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +74,10 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        attend = _attend if softcap is None else functools.partial(_attend_softcapped,
+                                                                   softcap=softcap)  # fmt: skip
         key = self.name if window is None else f"{self.name}/window{window}"
         plan = meta.backend_plan.get(key)
         if plan is None:
@@ -83,7 +88,7 @@ class TorchAttentionBackend:
             k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len].to(query.dtype)
             v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len].to(query.dtype)
             q = query[p.start : p.start + p.q_len]
-            out[p.start : p.start + p.q_len] = _attend(q, k, v, p.mask, scale)
+            out[p.start : p.start + p.q_len] = attend(q, k, v, p.mask, scale)
         if plan.decode is not None:
             d = plan.decode
             b = d.tables.shape[0]
@@ -92,14 +97,18 @@ class TorchAttentionBackend:
             v = v_cache.index_select(0, d.tables.view(-1)).view(b, -1, *v_cache.shape[2:])
             k, v = k[:, : d.max_len].to(query.dtype), v[:, : d.max_len].to(query.dtype)
             q = query if d.token_idx is None else query[d.token_idx]
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2),  # [B, H, 1, D]
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=d.mask,
-                scale=scale,
-                enable_gqa=True,
-            )
+            if softcap is None:
+                o = F.scaled_dot_product_attention(
+                    q.unsqueeze(2),  # [B, H, 1, D]
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                    attn_mask=d.mask,
+                    scale=scale,
+                    enable_gqa=True,
+                )
+            else:
+                o = _softcapped(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), d.mask,
+                                scale, softcap)  # fmt: skip
             if d.token_idx is None:
                 return o.squeeze(2)
             out[d.token_idx] = o.squeeze(2)
@@ -168,3 +177,32 @@ def _attend(
         enable_gqa=True,
     )
     return o.squeeze(0).transpose(0, 1)
+
+
+def _attend_softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+    """_attend with soft-capped scores; mask None: plain causal over the last Q positions."""
+    if mask is None:
+        q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0], device=q.device)[:, None]
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos
+    o = _softcapped(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0), mask, scale, softcap)  # fmt: skip
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, softcap: float) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, H_kv, S, D], mask broadcastable to [B, H, Q, S] (True = keep):
+    softmax(softcap * tanh(q k^T * scale / softcap), masked) v, in transformers' eager order,
+    the softmax in float32."""
+    b, h, n, d = q.shape
+    group = h // k.shape[1]
+    # GQA without copying K/V: the query heads of a KV head side by side
+    qg = q.reshape(b, k.shape[1], group * n, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, h, n, -1) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs.view(b, k.shape[1], group * n, -1), v)
+    return out.view(b, h, n, d)

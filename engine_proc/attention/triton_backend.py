@@ -149,10 +149,14 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if window is not None:  # the engine picks the torch backend for such models
             raise ValueError("the Triton attention backend has no sliding windows yet; "
                              "use attention_backend='torch'")
+        if softcap is not None:  # likewise
+            raise ValueError("the Triton attention backend has no attention logit soft-capping "
+                             "yet; use attention_backend='torch'")
         if query.dim() != 3:
             raise ValueError(
                 f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"

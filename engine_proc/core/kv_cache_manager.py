@@ -64,6 +64,12 @@ def root_hash(model_id: str, cache_salt: str | None) -> bytes:
     return h.digest()
 
 
+def longrope_root(root: bytes) -> bytes:
+    """The prefix-hash root of a sequence whose K/V is rotated with LongRoPE's long factors:
+    the same tokens under the short factors are other K/V."""
+    return hashlib.sha256(root + b"\0longrope-long\0").digest()
+
+
 def block_hash(parent_hash: bytes, token_ids: list[int]) -> bytes:
     # sha256 of fixed-width token ids: stable across processes and PYTHONHASHSEED.
     return hashlib.sha256(parent_hash + array("i", token_ids).tobytes()).digest()

@@ -34,6 +34,9 @@ class Sequence:
     num_forks: int = 1  # sequences still to be forked when the first token is sampled
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    # LongRoPE (Phi-3): its K/V rotated with the long factors, as transformers does for a
+    # sequence past original_max_position_embeddings (engine_proc/core/scheduler.py)
+    rope_long: bool = False
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at last admission
     num_external_cached_tokens: int = 0  # of those, loaded from the host/disk tiers (pending)
     block_table: list[int] = field(default_factory=list)

@@ -1,7 +1,12 @@
 """Token-budget scheduler without prefill or decode phases (the vLLM v1 idea): every sequence has
 computed and total tokens, and each step hands out at most max_num_batched_tokens of work,
 running sequences first, then waiting ones in arrival order. Long prompts are chunked; when
-blocks run out the most recently started sequence is preempted and recomputed later."""
+blocks run out the most recently started sequence is preempted and recomputed later.
+
+LongRoPE (Phi-3, `longrope_original`): a sequence longer than original_max_position_embeddings
+is rotated with the long factors at every position, as transformers does; one that grows past
+that length while decoding is recomputed once (as a preemption) under the long factors, as
+transformers' Phi-3 generate() re-encodes it, with a prefix-hash root of its own."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_proc.config import check_limits
-from engine_proc.core.kv_cache_manager import KVCacheManager
+from engine_proc.core.kv_cache_manager import KVCacheManager, longrope_root
 from engine_proc.core.request import Sequence, SequenceStatus
 
 
@@ -42,9 +47,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, limits: SchedulerLimits) -> None:
+    def __init__(self, kv: KVCacheManager, limits: SchedulerLimits,
+                 longrope_original: int | None = None) -> None:  # fmt: skip
         self.kv = kv
         self.limits = limits
+        self.longrope_original = longrope_original
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
 
@@ -55,7 +62,22 @@ class Scheduler:
         self.limits = SchedulerLimits(**merged)
 
     def add(self, seq: Sequence) -> None:
+        if not seq.block_table and not seq.held_blocks:  # (blocks adopted: as they were made)
+            self._switch_rope(seq)
         self.waiting.append(seq)
+
+    def _outgrew_short_rope(self, seq: Sequence) -> bool:
+        original = self.longrope_original
+        return original is not None and not seq.rope_long and seq.num_tokens > original
+
+    def _switch_rope(self, seq: Sequence) -> None:
+        """A sequence without K/V past LongRoPE's original length: the long factors from now
+        on, under their own prefix hashes."""
+        if self._outgrew_short_rope(seq):
+            assert not seq.block_table, "switch the rotary factors of a sequence with no blocks"
+            seq.rope_long = True
+            seq.root_hash = longrope_root(seq.root_hash)
+            seq.block_hashes = []
 
     def add_forked(self, seq: Sequence) -> None:
         """A sequence forked from a running parent: it runs from the next step on."""
@@ -82,6 +104,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._outgrew_short_rope(seq):  # its K/V again, under the long factors
+                self._preempt(self.running.pop(i), batch)
+                continue
             self.kv.trim(seq)  # a hybrid cache's sliding groups: blocks out of the window
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.can_allocate(seq, n, []):
@@ -136,6 +161,7 @@ class Scheduler:
         if seq in batch.seqs:
             raise AssertionError("preempting a sequence already scheduled this step")
         self.kv.free(seq)
+        self._switch_rope(seq)
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)

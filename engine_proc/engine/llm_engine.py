@@ -48,6 +48,15 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+
+def longrope_original(config: ModelConfig) -> int | None:
+    """LongRoPE's original_max_position_embeddings (Phi-3), past which a sequence rotates with
+    the long factors; None for other rotary embeddings."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
+
 class LLMEngine(Tokenization, StepOutputs, LiveControl):
     def __init__(
         self,
@@ -119,12 +128,16 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         )
         self.num_blocks = num_blocks
         attention_backend = config.attention_backend
-        if self.model_config.has_sliding_layers and self.device.type == "cuda":
+        lacks = [what for present, what in (
+            (self.model_config.has_sliding_layers, "sliding-window layers"),
+            (self.model_config.attn_logit_softcap is not None, "attention logit soft-capping"),
+        ) if present]  # fmt: skip
+        if lacks and self.device.type == "cuda":
             if attention_backend == "triton":
-                raise ValueError("attention_backend='triton' has no sliding-window layers yet "
+                raise ValueError(f"attention_backend='triton' has no {' / '.join(lacks)} yet "
                                  f"({self.model_config.architecture}); use 'torch' or 'auto'")
-            logger.warning("%s has sliding-window layers, which the Triton kernels do not "
-                           "mask yet: using torch attention", self.model_config.architecture)
+            logger.warning("%s has %s, which the Triton kernels do not compute yet: using torch "
+                           "attention", self.model_config.architecture, " and ".join(lacks))
             attention_backend = "torch"
         self.backend = select_backend(attention_backend, self.device, kv_dtype)
         self.runner = ModelRunner(
@@ -176,6 +189,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             SchedulerLimits(
                 config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk
             ),
+            longrope_original=longrope_original(mc),
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}

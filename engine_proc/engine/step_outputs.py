@@ -89,6 +89,7 @@ class StepOutputs(EngineParts):
                 max_total_tokens=parent.max_total_tokens,
                 eos_token_ids=parent.eos_token_ids,
                 num_cached_tokens=parent.num_cached_tokens,
+                rope_long=parent.rope_long,
             )
             self.kv.fork(parent, child)
             self.scheduler.add_forked(child)

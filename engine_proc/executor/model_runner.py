@@ -90,11 +90,16 @@ class ModelRunner:
         sampling: list[Sequence] = []
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         tables = np.full((len(batch.seqs), max_blocks), -1, dtype=np.int32)
+        long_offset = self.model.rotary.long_offset  # LongRoPE's long rows (models/layers.py)
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             end = start + n
             input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            # the rotary table's rows: positions, offset to the long-factor rows for LongRoPE
+            # sequences past the original length (the fused step, which reads positions as
+            # such, refuses LongRoPE models)
+            rows = long_offset if seq.rope_long and long_offset is not None else 0
+            positions.extend(range(start + rows, end + rows))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tables[row, : len(table)] = table

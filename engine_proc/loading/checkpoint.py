@@ -103,6 +103,27 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def split_fused_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
+                        fused: dict[str, tuple[str, ...]]) -> None:  # fmt: skip
+    """Replace fused per-layer weights (Phi-3's qkv_proj, gate_up_proj) by their parts, rows
+    in order, sized as the config implies; ValueError naming a fused weight of the wrong size."""
+    if not fused:
+        return
+    shapes = expected_weight_shapes(config)
+    for name in [n for n in weights if n.startswith("model.layers.")]:
+        suffix = name.split(".", 3)[3]
+        if suffix not in fused:
+            continue
+        prefix = name[: -len(suffix)]
+        sizes = [shapes[prefix + part][0] for part in fused[suffix]]
+        tensor = weights.pop(name)
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"checkpoint weight {name} has {tensor.shape[0]} rows, config "
+                             f"implies {sum(sizes)} ({' + '.join(map(str, sizes))})")  # fmt: skip
+        for part, piece in zip(fused[suffix], tensor.split(sizes), strict=True):
+            weights[prefix + part] = piece.contiguous()
+
+
 def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     expected = expected_weight_shapes(config)
     missing = [n for n in expected if n not in weights]

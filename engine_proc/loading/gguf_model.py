@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine_proc.loading.checkpoint import Checkpoint, ProgressFn
+from engine_proc.loading.checkpoint import Checkpoint, ProgressFn, split_fused_weights
 from engine_proc.loading.gguf_header import GgufFile, GgufTensor
 from engine_proc.loading.tokenizer_cache import gguf_tokenizer
 from engine_proc.models.config import ModelConfig
@@ -44,6 +44,8 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# rotary tables, not weights: Llama 3's divisors, LongRoPE's factors (Phi-3)
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -59,7 +61,7 @@ def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
 
     weights: dict[str, torch.Tensor] = {}
     stacker = ExpertStacker(config, dtype) if config.num_experts else None
-    names = [n for n in tensors if n != "rope_freqs.weight"]
+    names = [n for n in tensors if n not in _ROPE_TENSORS]
     for i, name in enumerate(names):
         hf_name = _gguf_to_hf_name(name, family)
         if hf_name is None:
@@ -77,6 +79,7 @@ def load_gguf(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoint:
     if stacker is not None:
         weights |= stacker.finish()
     logger.debug("dequantized %d tensors in %.2f s", len(weights), time.perf_counter() - t0)
+    split_fused_weights(config, weights, family.fused_weights)  # Phi-3's attn_qkv, ffn_up
 
     report(0.96, "loading tokenizer")
     tokenizer = gguf_tokenizer(path, meta.get("tokenizer.chat_template"))
@@ -117,11 +120,12 @@ def _gguf_config(
     num_kv_heads = int(key("attention.head_count_kv", num_heads))
     head_dim = int(key("attention.key_length", hidden // num_heads))
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(
-            f"model={str(path)!r}: partial rotary embeddings (rope.dimension_count={rope_dim}, "
-            f"head_dim={head_dim}) are not supported"
-        )
+    if not 0 < rope_dim <= head_dim or rope_dim % 2:
+        raise ValueError(f"model={str(path)!r}: rope.dimension_count={rope_dim} for head_dim="
+                         f"{head_dim} (even, at most head_dim expected)")  # fmt: skip
+    if rope_dim < head_dim and family.gguf_permutes_qk:  # its row permutation spans the head
+        raise ValueError(f"model={str(path)!r}: partial rotary (rope.dimension_count={rope_dim}, "
+                         f"head_dim={head_dim}) is not supported for {arch} GGUFs")  # fmt: skip
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise ValueError(f"model={str(path)!r}: value heads of another size than key heads")
     if "token_embd.weight" not in tensors:
@@ -145,11 +149,15 @@ def _gguf_config(
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        rotary_dim=rope_dim if rope_dim < head_dim else None,  # partial rotary (Phi-4-mini)
     )
     try:
         extra = family.gguf_fields(key, common)
     except ValueError as exc:
         raise ValueError(f"model={str(path)!r}: {exc}") from None
+    if "rope_scaling" not in extra and "rope_factors_long.weight" in tensors:
+        # LongRoPE's factors are tensors: the catalog (rope_freqs=False) sizes without them
+        extra["rope_scaling"] = _gguf_longrope(meta, arch, tensors, common) if rope_freqs else None
     if "rope_scaling" not in extra and (rope_freqs or "rope_freqs.weight" not in tensors):
         extra["rope_scaling"] = _gguf_rope_scaling(meta, arch, tensors, head_dim, path)
     if extra.get("num_experts"):  # layers without a router keep a dense MLP
@@ -210,6 +218,22 @@ def _gguf_rope_scaling(
         f"model={str(path)!r}: rope_freqs.weight does not match Llama 3 rope scaling "
         "(low_freq_factor 1, high_freq_factor 4); not supported"
     )
+
+
+def _gguf_longrope(meta: dict[str, Any], arch: str, tensors: dict[str, GgufTensor],
+                   common: dict) -> dict:  # fmt: skip
+    """LongRoPE (Phi-3) from llama.cpp's rope_factors_long / _short tensors and metadata."""
+    from engine_proc.loading.gguf_file import dequantize
+    from engine_proc.models.families.phi3 import default_attention_factor, longrope
+
+    context = common["max_position_embeddings"]
+    original = int(meta.get(f"{arch}.rope.scaling.original_context_length", context))
+    attention = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attention is None:
+        attention = default_attention_factor(context / original, original)
+    short, long = (dequantize(tensors[f"rope_factors_{k}.weight"]).reshape(-1).tolist()
+                   for k in ("short", "long"))  # fmt: skip
+    return longrope(short, long, original, float(attention))
 
 
 def _llama3_freq_factors(scaling: dict, theta: float, head_dim: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Hugging Face directory (config.json, *.safetensors, tokenizer files) -> Checkpoint, for the
 architectures in SUPPORTED_ARCHITECTURES (engine_proc/models/registry.py); what the engine cannot
-run (o_proj biases, soft-capping, rope types other than llama3 / linear) is refused with the field
-named.
+run (o_proj biases, rope types other than llama3 / linear / Phi-3's longrope) is refused with
+the field named. Fused weights (Phi-3's qkv_proj, gate_up_proj) are split into Llama's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from engine_proc.loading.checkpoint import (
     Checkpoint,
     ProgressFn,
     expected_weight_names,
+    split_fused_weights,
 )
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.family import Family
@@ -40,7 +41,10 @@ def load_hf_dir(path: Path, dtype: torch.dtype, report: ProgressFn) -> Checkpoin
     report(0.0, f"reading {path.name}/config.json")
     raw, family, config = hf_config(path)
     files = _safetensors_files(path)
-    weights = _read_safetensors(files, config, dtype, report)
+    fused = [f"model.layers.{i}.{name}" for i in range(config.num_layers)
+             for name in family.fused_weights]  # fmt: skip
+    weights = _read_safetensors(files, config, dtype, report, fused)
+    split_fused_weights(config, weights, family.fused_weights)  # Phi-3's qkv_proj, gate_up_proj
     if family.hf_norms_plus_one:  # Gemma's (1 + weight) RMSNorm, folded once
         for name in weights:
             if name.endswith("norm.weight"):
@@ -154,13 +158,14 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def _read_safetensors(
-    files: list[Path], config: ModelConfig, dtype: torch.dtype, report: ProgressFn
+    files: list[Path], config: ModelConfig, dtype: torch.dtype, report: ProgressFn,
+    fused: Iterable[str] = (),
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     from engine_proc.loading.experts import ExpertStacker  # torch: not on the catalog's path
 
-    wanted = set(expected_weight_names(config)) | {"lm_head.weight"}
+    wanted = set(expected_weight_names(config)) | {"lm_head.weight"} | set(fused)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     keys = [(h, k) for h in handles for k in h.keys()]
     weights: dict[str, torch.Tensor] = {}

@@ -2,8 +2,9 @@
 
 Every family (engine_proc/models/registry.py) maps onto this one description; the forward pass
 (engine_proc/models/llama.py) reads the features a family turns on: q/k norms (Qwen3, Gemma 3),
-sliding-window layers (Mistral, Gemma 3), Gemma's sandwich norms, scaled embeddings and
-GELU-tanh MLP, routed experts in place of the MLP (Qwen3-MoE, Mixtral: models/moe.py)."""
+sliding-window layers (Mistral, Phi-3, Gemma 2/3), Gemma's sandwich norms, scaled embeddings
+and GELU-tanh MLP, Gemma 2's soft-capping, Phi's partial rotary and LongRoPE tables, routed
+experts in place of the MLP (Qwen3-MoE, Mixtral: models/moe.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v biases (Qwen2)
-    rope_scaling: dict | None = None  # llama3-style: factor, low/high_freq_factor, original_max...
+    # llama3: factor, low/high_freq_factor, original_max_position_embeddings; linear: factor;
+    # longrope: short_factor, long_factor (tuples), original_max_position_embeddings,
+    # attention_factor (see layers.longrope_tables)
+    rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3)
@@ -47,6 +51,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's MLP width (intermediate_size: dense layers')
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an expert model with a dense MLP
+    rotary_dim: int | None = None  # rotary on the first rotary_dim of each head (Phi-4-mini)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         assert not self.layer_types or len(self.layer_types) == self.num_layers, self.layer_types
@@ -54,6 +61,8 @@ class ModelConfig:
         assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
         assert SLIDING_ATTENTION not in self.layer_types or self.sliding_window, self.sliding_window
         assert not self.num_experts or 0 < self.num_experts_per_tok <= self.num_experts
+        rotary = self.rotary_dim
+        assert rotary is None or (0 < rotary < self.head_dim and rotary % 2 == 0), rotary
 
     def layer_has_experts(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
@@ -61,6 +70,11 @@ class ModelConfig:
     @property
     def has_experts(self) -> bool:
         return any(self.layer_has_experts(i) for i in range(self.num_layers))
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dimensions of each head the rotary embedding turns."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def layer_window(self, layer: int) -> int | None:
         """How many keys (up to and including its own position) a query of this layer sees;

@@ -26,3 +26,7 @@ class Family:
     gguf_layer_names: dict[str, str] = field(default_factory=dict)
     gguf_permutes_qk: bool = False  # llama.cpp interleaves q/k rows of `llama` GGUFs
     hf_norms_plus_one: bool = False  # Gemma stores w of a (1 + w) RMSNorm; llama.cpp stores 1 + w
+    # per-layer weights stored fused (HF names after `model.layers.N.`, also what
+    # gguf_layer_names maps to) -> the parts they are split into at load, in order; the parts'
+    # sizes follow from the config (Phi-3's qkv_proj and gate_up_proj)
+    fused_weights: dict[str, tuple[str, ...]] = field(default_factory=dict)

@@ -1,5 +1,6 @@
-"""Layers every architecture shares, as plain functions over tensors: rotary embeddings (default
-and Llama 3 scaling), RMSNorm (Gemma's 1 + weight is folded into the weight at load), the
+"""Layers every architecture shares, as plain functions over tensors: rotary embeddings (default,
+linear, Llama 3 and Phi-3's LongRoPE scaling; over all of each head or its first rotary_dim),
+RMSNorm (Gemma's 1 + weight is folded into the weight at load), the
 activations, and `Linear`, the
 product that picks 4-bit, upcast or oneDNN arithmetic by the rows it is given."""
 
@@ -21,18 +22,33 @@ def rope_inv_freq(config: ModelConfig, theta: float | None = None,
     config's rope scaling (Gemma 3's sliding layers use a plain local base)."""
     # float32 arithmetic in the same order as transformers, so float32 logits agree to the bit
     # as far as possible (greedy ties are decided by the last bits).
-    dim = config.head_dim
+    dim = config.rope_dim
     base = config.rope_theta if theta is None else theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = (config.rope_scaling or {}) if scaled else {}
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "llama3":
+    if kind == "longrope":  # the short factors; RotaryEmbedding switches to the long ones
+        inv_freq = longrope_inv_freq(config, scaling["short_factor"], base)
+    elif kind == "llama3":
         inv_freq = llama3_scale(inv_freq, scaling)
     elif kind == "linear":  # positions divided by factor (Gemma 3's global layers at 4B+)
         inv_freq = inv_freq / scaling["factor"]
     elif kind not in (None, "default"):
-        raise ValueError(f"rope_scaling type must be 'llama3', 'linear' or absent, got {kind!r}")
+        raise ValueError("rope_scaling type must be 'llama3', 'linear', 'longrope' or absent, "
+                         f"got {kind!r}")  # fmt: skip
     return inv_freq
+
+
+def longrope_inv_freq(config: ModelConfig, factors: tuple[float, ...],
+                      base: float) -> torch.Tensor:  # fmt: skip
+    """LongRoPE (Phi-3): each frequency divided by its own factor (transformers'
+    _compute_longrope_parameters, the same float32 arithmetic)."""
+    dim = config.rope_dim
+    ext = torch.tensor(factors, dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise ValueError(f"longrope factors: expected {dim // 2} (rotary_dim / 2), got "
+                         f"{ext.numel()}")  # fmt: skip
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -53,16 +69,37 @@ def llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position up to the model's context, built once."""
+    """cos/sin tables for every position up to the model's context, built once.
+
+    LongRoPE: two tables, both times attention_factor: rows [0, max_positions) with the short
+    factors, then the same positions with the long ones (`long_offset` rows on). A sequence
+    longer than original_max_position_embeddings reads the long rows at every position (the
+    model runner adds long_offset to its positions; the scheduler recomputes a sequence that
+    grows past that length), as transformers does: its forward picks one set by the call's
+    largest position + 1, and Phi-3's generate() re-encodes the whole sequence with the long
+    factors at the step that outgrows the original length. vLLM instead switches a whole batch
+    to the long set when any of its positions exceeds it (keeping earlier K as they were);
+    llama.cpp picks one set by its context size (n_ctx) for the whole run."""
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device,
                  theta: float | None = None, scaled: bool = True) -> None:
         inv_freq = rope_inv_freq(config, theta, scaled)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # full head_dim, as rotate_half wants
+        scaling = (config.rope_scaling or {}) if scaled else {}
+        mscale = 1.0
+        self.long_offset: int | None = None
+        if scaling.get("rope_type") == "longrope":
+            base = config.rope_theta if theta is None else theta
+            long = longrope_inv_freq(config, scaling["long_factor"], base)
+            freqs = torch.cat([freqs, torch.outer(t, long)])
+            self.long_offset = max_positions
+            mscale = float(scaling["attention_factor"])
+        emb = torch.cat((freqs, freqs), dim=-1)  # rotary_dim wide, as rotate_half wants
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
+        if mscale != 1.0:  # transformers: cos() * attention_scaling, in float32
+            self.cos, self.sin = self.cos * mscale, self.sin * mscale
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows of this step's positions, [T, 1, head_dim], gathered once per step."""
@@ -71,10 +108,15 @@ class RotaryEmbedding:
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [tokens, heads, head_dim]; rotate_half layout, the same float32 arithmetic as
-        # transformers (x * cos + rotate_half(x) * sin), so float32 logits agree.
+        # transformers (x * cos + rotate_half(x) * sin), so float32 logits agree. Partial
+        # rotary (cos narrower than the head): the rest of each head passes unrotated.
         xf = x if x.dtype == torch.float32 else x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        out = xf * cos + torch.cat((-x2, x1), dim=-1) * sin
+        rot = cos.shape[-1]
+        xr = xf if rot == xf.shape[-1] else xf[..., :rot]
+        x1, x2 = xr.chunk(2, dim=-1)
+        out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+        if rot != xf.shape[-1]:
+            out = torch.cat((out, xf[..., rot:]), dim=-1)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

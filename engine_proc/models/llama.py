@@ -1,9 +1,10 @@
 """Our own forward pass for the decoder families (engine_proc/models/registry.py: Llama,
-Mistral, Qwen2, Qwen3, Gemma 3, and with routed experts Qwen3-MoE and Mixtral) over a paged KV
-cache, over the shared layers of engine_proc/models/layers.py (routed experts:
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, and with routed experts Qwen3-MoE and Mixtral)
+over a paged KV cache, over the shared layers of engine_proc/models/layers.py (routed experts:
 engine_proc/models/moe.py). Works on a flat batch: every sequence's new tokens laid end to
 end. What the families differ in is in ModelConfig (q/k norms, sliding-window layers and their
-rotary base, sandwich norms, scaled embeddings, the MLP's activation, routed experts)."""
+rotary base, sandwich norms, scaled embeddings, the MLP's activation, soft-capping, partial
+rotary, routed experts)."""
 
 from __future__ import annotations
 
@@ -219,7 +220,11 @@ class LlamaModel:
             q, k, v = self._rotated_qkv(layer, qkv, *(tables if layer.window is None else local))
             layer_meta = meta.for_group(layer.kv_group)
             backend.write_kv(k, v, k_cache, v_cache, layer_meta.slot_mapping)
-            attn = backend.forward(q, k_cache, v_cache, layer_meta, self.scale, layer.window)
+            if cfg.attn_logit_softcap is None:
+                attn = backend.forward(q, k_cache, v_cache, layer_meta, self.scale, layer.window)
+            else:  # Gemma 2
+                attn = backend.forward(q, k_cache, v_cache, layer_meta, self.scale, layer.window,
+                                       softcap=cfg.attn_logit_softcap)  # fmt: skip
             out = self.linear(attn.reshape(-1, self.q_size), layer.o_weight, None, q4[1])
             if layer.attn_out_norm is not None:
                 out = rms_norm(out, layer.attn_out_norm, cfg.rms_norm_eps)
@@ -257,7 +262,12 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_kernel is not None and hidden.shape[0] <= self.head_kernel_rows:
-            return self.head_kernel(hidden)
-        if self.lm_head_decode is not None and hidden.shape[0] <= self.lm_head_decode_rows:
-            return F.linear(hidden.to(torch.bfloat16), self.lm_head_decode).float()
-        return self.linear(hidden, self.lm_head).float()
+            logits = self.head_kernel(hidden)
+        elif self.lm_head_decode is not None and hidden.shape[0] <= self.lm_head_decode_rows:
+            logits = F.linear(hidden.to(torch.bfloat16), self.lm_head_decode).float()
+        else:
+            logits = self.linear(hidden, self.lm_head).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits

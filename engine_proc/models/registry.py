@@ -10,11 +10,22 @@ from __future__ import annotations
 from typing import Any
 
 from engine_proc.models.config import ModelConfig
-from engine_proc.models.families import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from engine_proc.models.families import (
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from engine_proc.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                gemma3.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)  # fmt: skip
+                                gemma3.FAMILY, phi3.FAMILY, gemma2.FAMILY, qwen3_moe.FAMILY,
+                                mixtral.FAMILY)  # fmt: skip
 
 def supported_hf_architectures() -> tuple[str, ...]:
     return tuple(a for f in FAMILIES for a in f.hf_architectures)

@@ -57,18 +57,25 @@ def hf_fields(raw: dict, common: dict) -> dict:
     return fields
 
 
-def gguf_fields(key: GgufKey, common: dict) -> dict:
-    num_layers = common["num_layers"]
-    pattern = key("attention.sliding_window_pattern", GGUF_SLIDING_PATTERN)
+def gguf_layer_pattern(key: GgufKey, num_layers: int, arch: str,
+                       default: int) -> tuple[str, ...]:  # fmt: skip
+    """llama.cpp's load_swa_pattern: attention.sliding_window_pattern as one flag per layer or
+    a period (default `default`) whose last layer is global."""
+    pattern = key("attention.sliding_window_pattern", default)
     if isinstance(pattern, list | tuple):
         if len(pattern) != num_layers:
-            raise ValueError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} flags "
+            raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} flags "
                              f"for {num_layers} layers")  # fmt: skip
         flags = [bool(f) for f in pattern]
     else:  # llama.cpp's set_swa_pattern: the last layer of every period is global
         n = int(pattern)
         flags = [n == 0 or i % n < n - 1 for i in range(num_layers)]
-    types = tuple(SLIDING_ATTENTION if f else FULL_ATTENTION for f in flags)
+    return tuple(SLIDING_ATTENTION if f else FULL_ATTENTION for f in flags)
+
+
+def gguf_fields(key: GgufKey, common: dict) -> dict:
+    num_layers = common["num_layers"]
+    types = gguf_layer_pattern(key, num_layers, "gemma3", GGUF_SLIDING_PATTERN)
     # llama.cpp's attention scale: 1/sqrt(head_dim), but 1/sqrt(hidden/heads) for the 27B model
     # (62 layers), as its query_pre_attn_scalar says
     head = common["hidden_size"] // common["num_heads"] if num_layers == 62 else common["head_dim"]
