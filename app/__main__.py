@@ -6,7 +6,7 @@
     kvscope chat ...             terminal chat (app.chat)
     kvscope bench ...            benchmarks (app.bench)
     kvscope serve ...            OpenAI-compatible HTTP API and Prometheus metrics (app.serve)
-    kvscope models ...           the models on this machine and what they need (app.models)
+    kvscope models ...           the models on this machine and what they need (app.models.catalog)
 
 GUI extras: `--screenshot OUT.png [--load N]` renders the window under load to a PNG and exits;
 `--measure-latency SECONDS [--load 32]` prints the GUI event-loop latency percentiles;
@@ -30,7 +30,7 @@ from typing import Any
 from app.supervisor import DECODE_WEIGHTS, DTYPES, KV_CACHE_DTYPES, KV_DISK_SUBDIR
 
 SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench.suite", "serve": "app.serve",
-               "models": "app.models"}  # fmt: skip
+               "models": "app.models.catalog"}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,7 +204,7 @@ def run_gui(args: argparse.Namespace) -> int:
 def _resolve_model_arg(model: str | None, settings) -> str | None:
     """A `--model` name (not a path) as the path the catalog lists it under, searching the
     folders added in *File → Models…* too."""
-    from app.models import FOLDERS_KEY, resolve_model
+    from app.models.catalog import FOLDERS_KEY, resolve_model
 
     folders = settings.value(FOLDERS_KEY) or []
     folders = [folders] if isinstance(folders, str) else [str(f) for f in folders]

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {why}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
     if args.model is not None:
-        from app.models import resolve_model
+        from app.models.catalog import resolve_model
 
         try:
             args.model = resolve_model(args.model)

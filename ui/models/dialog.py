@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.models import FOLDERS_KEY, KV_CACHE_DTYPES
+from app.models.catalog import FOLDERS_KEY, KV_CACHE_DTYPES
 from ui.models.runner import CatalogRunner
 from ui.models.table import PATH_ROLE, SORT_ROLE, CatalogModel
 from ui.units import human_bytes

@@ -7,7 +7,7 @@ import sys
 
 from PySide6.QtCore import QObject, QProcess, Signal
 
-from app.models import catalog_command, parse_catalog
+from app.models.catalog import catalog_command, parse_catalog
 
 
 class CatalogRunner(QObject):

@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_proc.loading import loader as model_loader
 from engine_proc.loading import tokenizer_cache
 from engine_proc.loading.checkpoint import SUPPORTED_ARCHITECTURES
 from engine_proc.loading.loader import (
@@ -334,7 +333,7 @@ def test_missing_default_model_message(monkeypatch: pytest.MonkeyPatch) -> None:
     def not_installed(name: str) -> None:
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(model_loader.importlib.metadata, "distribution", not_installed)
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
     with pytest.raises(FileNotFoundError) as info:
         default_model_path()
     assert DEFAULT_MODEL_INSTALL in str(info.value)

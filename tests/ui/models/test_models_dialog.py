@@ -11,7 +11,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.conversations import Conversation, ConversationStore
-from app.models import FOLDERS_KEY
+from app.models.catalog import FOLDERS_KEY
 from app.settings import SamplingDefaults, open_settings
 from tests.engine_proc.catalog.stores_fixture import make_home, with_builtin
 from tests.ui.conftest import DictSettings

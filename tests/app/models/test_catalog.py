@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from app import models
+from app.models import catalog as models
 from tests.engine_proc.catalog.stores_fixture import make_home, with_builtin
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
