@@ -11,6 +11,14 @@ if "KVSCOPE_CACHE_DIR" not in os.environ:
     os.environ["KVSCOPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvscope-test-cache-")
     atexit.register(shutil.rmtree, os.environ["KVSCOPE_CACHE_DIR"], ignore_errors=True)
 
+# pytest-xdist runs one worker per core: each worker's torch (and the engines it spawns) would
+# start a thread per core as well, and threads spinning past the cores slowed the suite by a
+# third (tests/engine_proc/models on 2 cores: 128 s -> 89 s with one thread per worker). A test
+# that wants more threads sets them itself.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+
 # Triton decides between compiled and interpreted kernels at import: without a GPU the kernels
 # run on CPU tensors through the interpreter.
 if "TRITON_INTERPRET" not in os.environ:

@@ -127,9 +127,11 @@ def test_random_workloads_on_tiny_pools_leak_nothing_and_change_no_token(gemma_d
         n = rng.choice((1, 1, 2))
         jobs.append((f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(4, 30), n=n,
                                                       temperature=0, ignore_eos=True)))
-    reference = _engine(gemma_dir, hybrid=False)
-    want = {rid: [o.token_ids for o in reference.generate([p], params)]
-            for rid, p, params in jobs}  # fmt: skip
+    # the replies of a roomy keep-everything engine, all jobs in one batch (outputs in prompt
+    # order, n per prompt)
+    outs = iter(_engine(gemma_dir, hybrid=False).generate([p for _, p, _ in jobs],
+                                                          [params for _, _, params in jobs]))
+    want = {rid: [next(outs).token_ids for _ in range(params.n)] for rid, _, params in jobs}
     tight = _engine(gemma_dir, num_kv_blocks=rng.randrange(40, 60), max_num_seqs=6)
     pool = tight.kv.pool
     aborted = set(rng.sample([rid for rid, _, _ in jobs], 2))
