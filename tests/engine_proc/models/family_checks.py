@@ -1,5 +1,6 @@
-"""Checks shared by the per-family test files (test_phi3.py, test_gemma2.py): a layout is
-(architecture, tiny_model_dir parameters); the engine against transformers' own float32 forward
+"""Checks shared by the per-family test files (test_phi3.py, test_gemma2.py, test_moe.py): a
+layout is (architecture, parameters of tiny_model_dir, or of tiny_moe_model_dir for the
+routed-experts architectures); the engine against transformers' own float32 forward
 and generate() on the tiny checkpoint, and the GGUF of the same weights read by our loader."""
 
 from __future__ import annotations
@@ -8,7 +9,14 @@ import torch
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from tests.engine_proc.models.test_llama import all_position_logits
-from tests.tiny_models import hf_reference_model, tiny_gguf_file, tiny_model_dir
+from tests.tiny_models import (
+    MOE_ARCHITECTURES,
+    hf_reference_model,
+    tiny_gguf_file,
+    tiny_model_dir,
+    tiny_moe_gguf_file,
+    tiny_moe_model_dir,
+)
 
 PROMPT = torch.randint(3, 49152, (45,), generator=torch.Generator().manual_seed(1)).tolist()
 NEW_TOKENS = 12
@@ -17,18 +25,24 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 Layout = tuple[str, dict]
 
 
+def checkpoint_path(layout: Layout, gguf: bool = False):
+    """The layout's tiny HF directory, or the GGUF of the same weights."""
+    arch, params = layout
+    if arch in MOE_ARCHITECTURES:
+        return tiny_moe_gguf_file(arch, **params) if gguf else tiny_moe_model_dir(arch, **params)
+    return tiny_gguf_file(arch, **params) if gguf else tiny_model_dir(arch, **params)
+
+
 def engine_for(layout: Layout, block_size: int = 16, gguf: bool = False,
                **overrides) -> LLMEngine:  # fmt: skip
-    arch, params = layout
-    path = tiny_gguf_file(arch, **params) if gguf else tiny_model_dir(arch, **params)
+    path = checkpoint_path(layout, gguf)
     config = dict(model=str(path), block_size=block_size, num_kv_blocks=200,
                   long_prefill_chunk=11)  # fmt: skip
     return LLMEngine(EngineConfig(**(config | overrides)))
 
 
 def reference(layout: Layout):
-    arch, params = layout
-    return hf_reference_model(tiny_model_dir(arch, **params))
+    return hf_reference_model(checkpoint_path(layout))
 
 
 def reference_logits(layout: Layout, prompt: list[int]) -> torch.Tensor:
@@ -89,9 +103,8 @@ def check_llama_cpp(layout: Layout, prompt: list[int]) -> None:
     import pytest
 
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    arch, params = layout
     f32 = 0  # GGML_TYPE_F32: a float32 KV cache (llama.cpp's default is f16)
-    llm = llama_cpp.Llama(str(tiny_gguf_file(arch, **params)), n_ctx=128, logits_all=True,
+    llm = llama_cpp.Llama(str(checkpoint_path(layout, gguf=True)), n_ctx=128, logits_all=True,
                           verbose=False, n_threads=2, type_k=f32, type_v=f32)  # fmt: skip
     llm.eval(prompt)
     theirs = torch.tensor(llm.scores[: len(prompt)], dtype=torch.float32)

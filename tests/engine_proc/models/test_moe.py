@@ -7,16 +7,20 @@ same weights from a GGUF in llama.cpp's layout (stacked `_exps` tensors)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from engine_proc import EngineConfig, LLMEngine, SamplingParams
-from tests.engine_proc.models.test_llama import all_position_logits
-from tests.tiny_models import (
-    hf_reference_model,
-    tiny_model_dir,
-    tiny_moe_gguf_file,
-    tiny_moe_model_dir,
+from engine_proc import EngineConfig, LLMEngine
+from tests.engine_proc.models.family_checks import (
+    GREEDY,
+    NEW_TOKENS,
+    PROMPT,
+    check_gguf,
+    check_llama_cpp,
+    check_logits_and_greedy,
+    check_preemption,
+    checkpoint_path,
+    engine_for,
 )
+from tests.tiny_models import hf_reference_model, tiny_model_dir, tiny_moe_gguf_file
 
 # (architecture, tiny_moe_model_dir parameters)
 LAYOUTS = {
@@ -32,35 +36,14 @@ LAYOUTS = {
         "mixtral", dict(num_kv_heads=1, tie_word_embeddings=True, sliding_window=5)),
     "mixtral-mha-head_dim32": ("mixtral", dict(num_kv_heads=4, head_dim=32)),
 }  # fmt: skip
-PROMPT = torch.randint(3, 49152, (45,), generator=torch.Generator().manual_seed(1)).tolist()
-NEW_TOKENS = 12
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
 def _path(name: str):
-    arch, params = LAYOUTS[name]
-    return tiny_moe_model_dir(arch, **params)
+    return checkpoint_path(LAYOUTS[name])
 
 
 def _engine(name: str, block_size: int = 16, **overrides) -> LLMEngine:
-    config = dict(model=str(_path(name)), block_size=block_size, num_kv_blocks=200,
-                  long_prefill_chunk=11)  # fmt: skip
-    return LLMEngine(EngineConfig(**(config | overrides)))
-
-
-def _reference_logits(name: str) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_reference_model(_path(name))(torch.tensor([PROMPT])).logits[0].float()
-
-
-def _reference_greedy(name: str, prompt: list[int]) -> list[int]:
-    model = hf_reference_model(_path(name))
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long), eos_token_id=None,
-        pad_token_id=0,
-    )  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+    return engine_for(LAYOUTS[name], block_size, **overrides)
 
 
 CASES = [(name, 16) for name in LAYOUTS] + [
@@ -70,7 +53,7 @@ CASES = [(name, 16) for name in LAYOUTS] + [
 @pytest.mark.parametrize(("name", "block_size"), CASES, ids=[f"{n}-bs{b}" for n, b in CASES])
 def test_logits_and_greedy_tokens_match_transformers(name, block_size):
     arch, params = LAYOUTS[name]
-    engine = _engine(name, block_size)
+    engine = check_logits_and_greedy(LAYOUTS[name], block_size, PROMPT)
     config = engine.model_config
     assert config.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM",
                                    "mixtral": "MixtralForCausalLM"}[arch]  # fmt: skip
@@ -79,19 +62,6 @@ def test_logits_and_greedy_tokens_match_transformers(name, block_size):
     assert config.norm_topk_prob == (arch == "mixtral" or params.get("norm_topk_prob", True))
     window = params.get("sliding_window")
     assert config.sliding_window == window and (window is None or window < len(PROMPT))
-    ours = all_position_logits(engine, PROMPT)
-    ref = _reference_logits(name)
-    assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-
-    ref_ids = _reference_greedy(name, PROMPT)
-    (cold,) = engine.generate([PROMPT], GREEDY)
-    assert cold.token_ids == ref_ids
-    # the same prompt again: its full blocks come from the prefix cache, the reply is the same
-    (warm,) = engine.generate([PROMPT], GREEDY)
-    assert warm.num_cached_tokens >= len(PROMPT) // block_size * block_size - block_size
-    assert warm.num_cached_tokens > 0 and warm.token_ids == ref_ids
-    assert engine.kv.pool.num_free == engine.num_blocks
 
 
 def test_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step():
@@ -109,14 +79,7 @@ def test_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step():
 
 @pytest.mark.parametrize("name", ["qwen3moe-6x3-dense-middle-layer", "mixtral-mqa-tied-window5"])
 def test_preemption_under_a_small_pool_changes_no_token(name):
-    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(0, 40, 10)]
-    roomy = _engine(name).generate(prompts, GREEDY)
-    # 4 requests of 45 + 12 tokens need 4 x 4 blocks of 16; 9 blocks force preemptions
-    tight = _engine(name, num_kv_blocks=9, enable_prefix_caching=False)
-    outs = tight.generate(prompts, GREEDY)
-    assert tight.stats.num_preemptions > 0
-    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
-    assert tight.kv.pool.num_free == tight.num_blocks
+    check_preemption(LAYOUTS[name])
 
 
 @pytest.mark.parametrize("name", ["qwen3moe-6x3-dense-middle-layer", "mixtral-gqa-8x2"])
@@ -161,13 +124,7 @@ def test_a_gguf_of_the_same_weights_gives_transformers_logits(name):
     """llama.cpp's layout (tests/tiny_models.py writes it as convert_hf_to_gguf.py does: experts
     stacked into ffn_{gate,up,down}_exps, the router as ffn_gate_inp, expert_count,
     expert_used_count and (qwen3moe) expert_feed_forward_length; Mixtral as `llama`)."""
-    arch, params = LAYOUTS[name]
-    gguf_path = tiny_moe_gguf_file(arch, **params)
-    engine = LLMEngine(EngineConfig(model=str(gguf_path), num_kv_blocks=64,
-                                    long_prefill_chunk=11))  # fmt: skip
-    assert engine.model_config == _engine(name).model_config  # every field, from the metadata
-    ours = all_position_logits(engine, PROMPT)
-    torch.testing.assert_close(ours, _reference_logits(name), atol=1e-4, rtol=1e-4)
+    check_gguf(LAYOUTS[name], PROMPT)
 
 
 def test_gguf_tensor_names_are_llama_cpps():
@@ -186,13 +143,4 @@ def test_gguf_tensor_names_are_llama_cpps():
 @pytest.mark.parametrize("name", ["qwen3moe-gqa-head_dim32-8x2", "mixtral-gqa-8x2"])
 def test_llama_cpp_reads_the_test_gguf_as_transformers_does(name):
     """The GGUF writer checked by a reader we did not write (optional: llama-cpp-python)."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    arch, params = LAYOUTS[name]
-    f32 = 0  # GGML_TYPE_F32 KV cache
-    llm = llama_cpp.Llama(str(tiny_moe_gguf_file(arch, **params)), n_ctx=128, logits_all=True,
-                          verbose=False, n_threads=2, type_k=f32, type_v=f32)  # fmt: skip
-    llm.eval(PROMPT)
-    theirs = torch.tensor(llm.scores[: len(PROMPT)], dtype=torch.float32)
-    ref = _reference_logits(name)
-    torch.testing.assert_close(theirs, ref, atol=1e-2, rtol=1e-3)
-    assert torch.equal(theirs.argmax(-1), ref.argmax(-1))
+    check_llama_cpp(LAYOUTS[name], PROMPT)
