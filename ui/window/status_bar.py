@@ -56,36 +56,47 @@ def _group_fields(group: object) -> tuple[int | None, int]:
     return group.window, len(group.layers)
 
 
-def hybrid_kv_formula(model: object) -> str:
-    """A hybrid KV cache (sliding-window and full-attention layers, `ModelInfo.kv_groups`):
-    'KV/token 2·L_full·H_kv·D·b + 2·L_sliding·H_kv·D·b = 2·1·1·256·4 + 2·5·1·256·4 = 2,048 +
-    10,240 B, the sliding part for the last 512 tokens only · a 32,768-token chat 72 MiB, not 384
-    MiB contiguous'; '' for a model with one group."""
+def _hybrid_split(model: object) -> tuple[int, int, int, int] | None:
+    """(full layers, sliding layers, bytes per layer and token, window) of a hybrid KV cache
+    (`ModelInfo.kv_groups` with sliding groups), or None."""
     groups = [_group_fields(g) for g in getattr(model, "kv_groups", None) or []]
-    if len(groups) < 2:
-        return ""
-    L, H, D = model.num_layers, model.num_kv_heads, model.head_dim  # noqa: N806
-    per_layer, rest = divmod(model.kv_bytes_per_token, L) if L else (0, 1)
+    if len(groups) < 2 or not model.num_layers:
+        return None
+    per_layer, rest = divmod(model.kv_bytes_per_token, model.num_layers)
     if rest or not per_layer:
-        return ""
-    full_layers = groups[0][1]
-    sliding_layers = sum(n for _, n in groups[1:])
+        return None
     window = max(w or 0 for w, _ in groups[1:])
-    full, sliding = full_layers * per_layer, sliding_layers * per_layer
+    return groups[0][1], sum(n for _, n in groups[1:]), per_layer, window
+
+
+def hybrid_kv_formula(model: object) -> str:
+    """'KV/token 2·L_full·H_kv·D·b + 2·L_sliding·H_kv·D·b = 2·3·1·256·4 + 2·15·1·256·4 =
+    6,144 + 30,720 B (sliding: last 512 tokens)'; '' for a model with one group."""
+    split = _hybrid_split(model)
+    if split is None:
+        return ""
+    full_layers, sliding_layers, per_layer, window = split
+    H, D = model.num_kv_heads, model.head_dim  # noqa: N806
     b, rest = divmod(per_layer, 2 * H * D) if H * D else (0, 1)
-    terms = "L_full·H_kv·D·b + 2·L_sliding·H_kv·D·b"
     values = (f"2·{full_layers}·{H}·{D}·{b} + 2·{sliding_layers}·{H}·{D}·{b} = "
               if b and not rest else "")  # fmt: skip
-    text = (f"KV/token 2·{terms} = {values}{full:,} + {sliding:,} B, the sliding part for the "
-            f"last {window:,} tokens only")  # fmt: skip
-    n, bs = model.max_model_len, model.block_size
-    if n > window:
-        # a chat at the longest context: every full-attention block, the sliding layers' window
-        # (which may straddle one more block: engine_proc/core/kv_groups.py max_sliding_blocks)
-        held = -(-n // bs) * bs * full + min(-(-n // bs), -(-window // bs) + 1) * bs * sliding
-        text += (f" · a {n:,}-token chat {human_bytes(held)}, not "
-                 f"{human_bytes(n * (full + sliding))} contiguous")
-    return text
+    return (f"KV/token 2·L_full·H_kv·D·b + 2·L_sliding·H_kv·D·b = {values}"
+            f"{full_layers * per_layer:,} + {sliding_layers * per_layer:,} B "
+            f"(sliding: last {window:,} tokens)")  # fmt: skip
+
+
+def hybrid_chat_bytes(model: object, tokens: int) -> tuple[int, int] | None:
+    """(bytes a chat of `tokens` holds in the hybrid cache, bytes it would hold contiguous), or
+    None for a model with one group. Every full-attention block; the sliding layers' window,
+    which may straddle one more block (engine_proc/core/kv_groups.py max_sliding_blocks)."""
+    split = _hybrid_split(model)
+    if split is None:
+        return None
+    full_layers, sliding_layers, per_layer, window = split
+    bs = model.block_size
+    blocks = -(-tokens // bs)
+    held = (blocks * full_layers + min(blocks, -(-window // bs) + 1) * sliding_layers) * bs
+    return held * per_layer, tokens * (full_layers + sliding_layers) * per_layer
 
 
 def kv_tiers_text(model: object) -> str:
@@ -207,7 +218,13 @@ class StatusBarView:
             f"{hybrid_kv_formula(m) or kv_formula(m)} · "
             f"KV pool {human_bytes(total)}" + (f" · KV tiers {tiers}" if tiers else "")
             + f" · max len {m.max_model_len:,}")
-        self.kv_label.setToolTip(KV_DTYPE_TIPS.get(getattr(m, "kv_cache_dtype", "auto"), ""))
+        tip = KV_DTYPE_TIPS.get(getattr(m, "kv_cache_dtype", "auto"), "")
+        chat = hybrid_chat_bytes(m, m.max_model_len)
+        if chat is not None:  # what releasing the sliding layers' blocks saves on a long chat
+            tip = (f"hybrid KV cache: a {m.max_model_len:,}-token chat holds "
+                   f"{human_bytes(chat[0])}, not {human_bytes(chat[1])} contiguous"
+                   + (f"; {tip}" if tip else ""))  # fmt: skip
+        self.kv_label.setToolTip(tip)
 
     def show_tiers(self, counters: dict[str, float]) -> None:
         """The lower KV tiers' line from the latest telemetry counters (hidden without tiers).

@@ -9,12 +9,14 @@ import re
 from types import SimpleNamespace
 
 import msgspec
+from PySide6.QtWidgets import QStatusBar
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.engine.telemetry import group_block_counts
 from ipc import protocol as P
 from tests.tiny_models import tiny_model_dir
-from ui.window.status_bar import hybrid_kv_formula, kv_formula
+from ui.units import human_bytes
+from ui.window.status_bar import StatusBarView, hybrid_chat_bytes, hybrid_kv_formula, kv_formula
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 WINDOW, BLOCK, CONTEXT = 20, 8, 200
@@ -41,7 +43,7 @@ def _bytes(text: str) -> list[int]:
     return [int(n.replace(",", "")) for n in found.groups()]
 
 
-def test_the_formula_splits_full_and_sliding_layers_as_the_engine_holds_them():
+def test_the_formula_splits_full_and_sliding_layers_as_the_engine_holds_them(qtbot):
     engine = _engine()
     m = _model_info(engine)
     cfg = engine.model_config
@@ -50,7 +52,7 @@ def test_the_formula_splits_full_and_sliding_layers_as_the_engine_holds_them():
     assert text.startswith("KV/token 2·L_full·H_kv·D·b + 2·L_sliding·H_kv·D·b = "
                            "2·1·2·16·4 + 2·3·2·16·4 = ")  # fmt: skip
     assert _bytes(text)[:2] == [1 * per_layer, 3 * per_layer]
-    assert f"last {WINDOW:,} tokens only" in text
+    assert text.endswith(f"B (sliding: last {WINDOW:,} tokens)")
     # a model with one group keeps the plain formula
     assert hybrid_kv_formula(msgspec.structs.replace(m, kv_groups=[])) == ""
     assert kv_formula(m).endswith(f"{4 * per_layer:,} B")
@@ -68,13 +70,18 @@ def test_the_formula_splits_full_and_sliding_layers_as_the_engine_holds_them():
     seq = engine.requests["long"][0]
     held_blocks = sum(1 for t in (seq.block_table, *seq.group_tables) for b in t if b >= 0)
     held = held_blocks * BLOCK * per_layer
-    said = re.search(r"a ([\d,]+)-token chat ([\d.]+) KiB, not ([\d.]+) KiB contiguous", text)
-    assert said is not None, text
-    assert int(said[1].replace(",", "")) == CONTEXT
+    said, contiguous = hybrid_chat_bytes(m, CONTEXT)
     # the engine holds no more than the bar says (it may be a block short of the straddle)
-    assert held <= float(said[2]) * 1024 + 1
-    assert float(said[2]) * 1024 - held <= 3 * BLOCK * per_layer
-    assert float(said[3]) * 1024 == CONTEXT * 4 * per_layer
+    assert held <= said and said - held <= 3 * BLOCK * per_layer
+    assert contiguous == CONTEXT * 4 * per_layer
+    bar = QStatusBar()
+    qtbot.addWidget(bar)
+    view = StatusBarView(bar)
+    view.show_engine(m)
+    assert text in view.kv_label.text()
+    assert view.kv_label.toolTip().startswith(
+        f"hybrid KV cache: a {CONTEXT}-token chat holds {human_bytes(said)}, not "
+        f"{human_bytes(contiguous)} contiguous")
 
     counts = group_block_counts(engine.all_sequences())
     assert counts == {"kv_blocks_full_attention": len(seq.block_table),
