@@ -84,7 +84,8 @@ class ExpertRoutingView(QWidget):
             return
         self._drawn = counts
         self.image.setImage(counts.astype(np.float32), levels=(0, max(1, int(counts.max()))))
-        self.image.setRect(0, 0, counts.shape[1], counts.shape[0])
+        # cell (layer, expert) centred on its index, so the axis ticks name the cells
+        self.image.setRect(-0.5, -0.5, counts.shape[1], counts.shape[0])
         self.caption.setText(routing_caption(counts, self.window_s))
 
 
