@@ -667,7 +667,9 @@ def _write_gguf_phi_gemma2(hf_dir: Path, out: Path, config: dict) -> None:
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     rope = config["rope_parameters"]
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name(f"tiny-{arch}")
+    # a name without "phi3": llama.cpp gives models so named Phi-3's special tokens ("</s>"),
+    # which the tiny models' SmolLM2 vocabulary lacks (llama-vocab.cpp: it fails to load)
+    writer.add_name(f"tiny-{arch}".replace("phi3", "p3"))
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(config["intermediate_size"])
