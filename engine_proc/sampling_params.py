@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ipc.messages import StructuredOutput
+
 MAX_LOGPROBS = 20  # most top candidates per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence / frequency, OpenAI's range
@@ -30,6 +32,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None = off; k: the chosen token's logprob and the top k
+    structured: StructuredOutput | None = None  # the grammar the output follows
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

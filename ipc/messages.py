@@ -30,6 +30,24 @@ _STRICT = dict(kw_only=True, forbid_unknown_fields=True, omit_defaults=True)
 # ---------------------------------------------------------------- shared pieces
 
 
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+class StructuredOutput(msgspec.Struct, **_STRICT):
+    """A constraint on a request's output, compiled by the engine against its tokenizer.
+
+    kind / spec: "json" a JSON schema (its JSON text); "json_object" any JSON object (spec "");
+    "regex" a regular expression; "choice" a JSON list of the allowed strings; "grammar" a
+    GBNF grammar (llama.cpp's) or a Lark grammar (llguidance's). `field` is the API field the
+    constraint came from ("response_format", "structured_outputs.json", "grammar",
+    "tool_choice", ...): the engine's refusal of a grammar names it.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+    field: str = "structured_outputs"
+
+
 class SamplingOptions(msgspec.Struct, **_STRICT):
     """Mirror of engine_proc.sampling_params.SamplingParams (same names and defaults).
 
@@ -51,6 +69,7 @@ class SamplingOptions(msgspec.Struct, **_STRICT):
     repetition_penalty: float = 1.0  # > 0, HF/vLLM: divides (or multiplies) prompt+output logits
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> [-100, 100]
     logprobs: int | None = None  # None = off; k >= 0: the chosen token's logprob and the top k
+    structured: StructuredOutput | None = None  # a grammar every output token must follow
 
 
 SAMPLING_FIELDS = tuple(SamplingOptions.__struct_fields__)
@@ -90,8 +109,16 @@ class KVHandoff(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, **_STRICT):
+    """One turn as the chat template reads it. Tool calls are in the shape HF chat templates
+    expect: [{"id", "type": "function", "function": {"name", "arguments": <dict>}}] (arguments
+    parsed from OpenAI's JSON string); a `tool` turn names the call it answers."""
+
     role: str
     content: str
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the id of the call this is the result of
+    name: str | None = None  # tool turns: the function's name (some templates print it)
+    reasoning_content: str | None = None  # assistant turns: their thinking (templates may keep it)
 
 
 class KVGroup(msgspec.Struct, kw_only=True):
@@ -170,6 +197,10 @@ class Generate(_ClientMsg, tag="generate", kw_only=True):
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     cache_salt: str | None = None
     kv_transfer: KVTransferParams | None = None  # disaggregated serving (section 10)
+    # chat only: OpenAI function tools, rendered by the chat template (apply_chat_template's
+    # `tools`), and extra template arguments (`enable_thinking`, `reasoning_effort`, ...)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -188,6 +219,8 @@ class Tokenize(_ClientMsg, tag="tokenize", kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompt only: BOS as generate adds it
     add_generation_prompt: bool = True  # messages only: the assistant turn's opening
+    tools: list[dict[str, Any]] | None = None  # messages only, as in Generate
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -46,6 +46,7 @@ from ipc.messages import (
     ModelInfo,
     RequestId,
     SamplingOptions,
+    StructuredOutput,
     Tokenize,
     Tokenized,
     TokenLogprobs,
@@ -69,6 +70,7 @@ __all__ = [
     # re-exported from ipc.messages
     "Abort",
     "ChatMessage",
+    "StructuredOutput",
     "Control",
     "ControlAck",
     "ControlOp",

@@ -81,9 +81,11 @@ _TOKEN = {"token"}
 DOC_CLIENT_FIELDS = {
     "hello": _TOKEN | {"protocol_version", "client_name"},
     "generate": _TOKEN
-    | {"request_id", "prompt", "messages", "sampling", "cache_salt", "kv_transfer"},
+    | {"request_id", "prompt", "messages", "sampling", "cache_salt", "kv_transfer", "tools",
+       "chat_template_kwargs"},
     "tokenize": _TOKEN
-    | {"request_id", "prompt", "messages", "add_special_tokens", "add_generation_prompt"},
+    | {"request_id", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+       "tools", "chat_template_kwargs"},
     "detokenize": _TOKEN | {"request_id", "token_ids"},
     "abort": _TOKEN | {"request_id"},
     "control": _TOKEN
@@ -116,8 +118,10 @@ DOC_PUB_FIELDS = {
 DOC_NESTED_FIELDS = {
     P.SamplingOptions: {"max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop",
                         "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                        "repetition_penalty", "logit_bias", "logprobs"},
-    P.ChatMessage: {"role", "content"},
+                        "repetition_penalty", "logit_bias", "logprobs", "structured"},
+    P.ChatMessage: {"role", "content", "tool_calls", "tool_call_id", "name",
+                    "reasoning_content"},
+    P.StructuredOutput: {"kind", "spec", "field"},
     P.ModelInfo: {"name", "architecture", "num_layers", "num_kv_heads", "head_dim", "dtype",
                   "device", "block_size", "num_blocks", "kv_bytes_per_token", "max_model_len",
                   "model_id", "num_heads", "vocab_size", "attention_backend", "kv_pool_bytes",
@@ -156,7 +160,7 @@ DOC_ERROR_CODES = {
 DOC_SAMPLING_DEFAULTS = dict(
     max_tokens=256, temperature=1.0, top_k=0, top_p=1.0, seed=None, n=1, stop=[],
     stop_token_ids=[], ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0,
-    repetition_penalty=1.0, logit_bias={}, logprobs=None,
+    repetition_penalty=1.0, logit_bias={}, logprobs=None, structured=None,
 )  # fmt: skip
 
 
