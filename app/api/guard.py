@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.api.anthropic_messages import error_body as anthropic_error
 from app.api.errors import APIError
 from app.api.settings import LOOPBACK_HOSTS, ServerSettings
 
@@ -33,7 +34,9 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         error = self._check(scope, headers)
         if error is not None:
-            await _send_json(send, error.status, error.body(), error.headers)
+            # Anthropic's SDK reads errors in its own shape (Claude Code shows them as such)
+            body = anthropic_error(error) if _is_messages(scope["path"]) else error.body()
+            await _send_json(send, error.status, body, error.headers)
             return
         await self.app(scope, receive, send)
 
@@ -61,11 +64,16 @@ class GuardMiddleware:
             if not ok:
                 return APIError(
                     401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                    "(or 'x-api-key: <key>', as Anthropic's clients do)",
                     code="invalid_api_key",
                     headers={"www-authenticate": "Bearer"},
                 )
         return None
+
+
+def _is_messages(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def _is_loopback_ip(host: str) -> bool:

@@ -17,12 +17,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.api import agent_runs
 from app.api import requests as R
+from app.api.agent_runs import APIEncoder, ChoiceRun
+from app.api.anthropic_messages import error_response as anthropic_error
+from app.api.anthropic_messages import parse_messages
 from app.api.errors import APIError, error_body
 from app.api.generation import Generation, api_error_of
 from app.api.guard import GuardMiddleware, read_json
+from app.api.messages_stream import MessagesEncoder
 from app.api.metrics import render as render_metrics
+from app.api.openai_responses import parse_responses
 from app.api.responses import Reply
+from app.api.responses_stream import ResponsesEncoder
 from app.api.settings import ServerSettings
 from app.api.streaming import SSEResponse, first_events, stream_chunks, wait_disconnect
 from ipc import protocol as P
@@ -93,7 +100,7 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["authorization", "content-type"],
+            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
         )
     app.add_middleware(GuardMiddleware, settings=settings)
 
@@ -185,6 +192,26 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
         link.ready_client()
         plan = R.parse_completion(body, limits())
         return await run_plan(request, plan)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await read_json(request, settings.max_body_bytes)
+        link.ready_client()
+        call = parse_responses(body, limits())
+        return await run_plan(request, call.plan, lambda model: ResponsesEncoder(call, model))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:  # every error in Anthropic's shape, whoever raises it
+            body = await read_json(request, settings.max_body_bytes)
+            link.ready_client()
+            call = parse_messages(body, limits())
+            return await run_plan(request, call.plan, MessagesEncoder)
+        except APIError as exc:
+            return anthropic_error(exc)
+        except Exception as exc:
+            log.exception("internal error on %s", request.url.path)
+            return anthropic_error(APIError(500, f"internal server error: {exc}"))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -278,7 +305,13 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
 
         return SSEResponse(frames(), on_close=close, media_type=TELEMETRY_MEDIA_TYPE)
 
-    async def run_plan(request: Request, plan: R.GenerationPlan) -> Response:
+    async def run_plan(
+        request: Request,
+        plan: R.GenerationPlan,
+        api: Callable[[str], APIEncoder] | None = None,
+    ) -> Response:
+        """One generation, answered as chat/completions, or by `api(model)`'s encoder (the
+        Responses and Messages APIs: one chat choice read by agent_runs.ChoiceRun)."""
         R.check_model(plan.model or None, served_names())
         client = link.ready_client()
         if app.state.in_flight >= settings.max_pending:
@@ -287,12 +320,23 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
                 f"{app.state.in_flight} requests in flight (the server's --max-pending); retry",
                 headers={"retry-after": "1"},
             )
-        reply = Reply(plan, model=plan.model or served_names()[0])
-        gen = Generation(client, plan, reply.id)
+        model = plan.model or served_names()[0]
+        encoder = None if api is None else api(model)
+        reply = Reply(plan, model=model)
+        gen = Generation(client, plan, reply.id if encoder is None else encoder.id)
         app.state.in_flight += 1
         handed_over = False
         try:
+            run = None if encoder is None else ChoiceRun(agent_runs.default_reader(plan))
             await gen.start()
+            if run is not None and encoder is not None:
+                if plan.stream:
+                    first = await _until_disconnect(request, first_events(gen))
+                    handed_over = True
+                    return SSEResponse(agent_runs.stream(gen, run, encoder, first),
+                                       on_close=_closer(app, gen))  # fmt: skip
+                result = await _until_disconnect(request, agent_runs.collect(gen, run))
+                return JSONResponse(encoder.body(result))
             if plan.stream:
                 first = await _until_disconnect(request, first_events(gen))
                 handed_over = True
