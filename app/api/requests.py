@@ -87,6 +87,14 @@ class GenerationPlan:
     include_usage: bool = False
     logprobs: bool = False
     cache_salt: str | None = None
+    # chat: tools (app/api/tools/) and thinking (app/api/reasoning.py), read by ChoiceReader
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, validated
+    tool_choice: str | dict[str, Any] = "auto"  # auto | none | required | {"type": "function", ...}
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template
+    tool_parser: str = "hermes"  # the family that reads calls (app/api/tools/__init__.py)
+    reasoning: bool = False  # split <think> ... </think> into reasoning
+    reasoning_open: bool = False  # the prompt already opened the thinking block
 
     @property
     def num_prompts(self) -> int:
