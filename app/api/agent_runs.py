@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from app.api.chat_output import ChoiceEvent, ChoiceOutput
+from app.api.chat_output import ChoiceEvent, ChoiceOutput, ChoiceReader
 from app.api.errors import APIError
 from app.api.generation import Generation
 from app.api.requests import GenerationPlan
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class Reader(Protocol):
     """What chat_output.ChoiceReader offers (the tools branch's reader of one choice's text)."""
 
-    def feed(self, text: str) -> list[ChoiceEvent]: ...
+    def feed(self, text: str, num_tokens: int = 0) -> list[ChoiceEvent]: ...
 
     def finish(self) -> list[ChoiceEvent]: ...
 
@@ -42,11 +42,7 @@ ReaderFactory = Callable[[GenerationPlan], Reader]
 
 
 def default_reader(plan: GenerationPlan) -> Reader:
-    # Imported here, not at module level: the reader belongs to the tool-calling part of issue
-    # 32 and this module's translations are usable (and tested) on their own.
-    from app.api.chat_output import ChoiceReader  # type: ignore[attr-defined]
-
-    return ChoiceReader(plan)  # type: ignore[no-any-return]
+    return ChoiceReader(plan)
 
 
 @dataclass(slots=True)
@@ -72,7 +68,8 @@ class ChoiceRun:
     def add(self, msg: P.Delta | P.Finish) -> list[ChoiceEvent]:
         if isinstance(msg, P.Delta):
             self.token_ids.extend(msg.token_ids)
-            return self.reader.feed(msg.text) if msg.text else []
+            # the token count lets the reader count reasoning tokens
+            return self.reader.feed(msg.text, num_tokens=len(msg.token_ids)) if msg.text else []
         self.finish = msg
         return self.reader.finish()
 

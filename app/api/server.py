@@ -200,6 +200,7 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
         body = await read_json(request, settings.max_body_bytes)
         link.ready_client()
         call = parse_responses(body, limits())
+        apply_model(call.plan, link.model_info, settings.tool_call_parser)
         return await run_plan(request, call.plan, lambda model: ResponsesEncoder(call, model))
 
     @app.post("/v1/messages")
@@ -208,6 +209,7 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
             body = await read_json(request, settings.max_body_bytes)
             link.ready_client()
             call = parse_messages(body, limits())
+            apply_model(call.plan, link.model_info, settings.tool_call_parser)
             return await run_plan(request, call.plan, MessagesEncoder)
         except APIError as exc:
             return anthropic_error(exc)

@@ -442,7 +442,7 @@ class PlainReader:
     def __init__(self) -> None:
         self.text: list[str] = []
 
-    def feed(self, text: str) -> list:
+    def feed(self, text: str, num_tokens: int = 0) -> list:
         self.text.append(text)
         return [ContentDelta(text)]
 
