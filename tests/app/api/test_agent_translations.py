@@ -463,3 +463,54 @@ def test_a_choice_run_reads_deltas_and_takes_the_counts_from_the_finish() -> Non
     got = run.result()
     assert (got.output.content, got.finish_reason, got.prompt_tokens, got.cached_tokens,
             got.completion_tokens) == ("ab", "length", 7, 4, 2)  # fmt: skip
+
+
+# ------------------------------------------------------------------ with the chat core's reader
+
+
+def _read(plan, pieces: list[str], reason: str = "stop") -> tuple[list, ChoiceResult]:
+    """The engine's text of one choice, read by chat_output.ChoiceReader as the server does."""
+    from app.api.agent_runs import default_reader
+
+    run = ChoiceRun(default_reader(plan))
+    events = []
+    for piece in pieces:
+        events += run.add(P.Delta(request_id="r", index=0, token_ids=[0], text=piece,
+                                  token_times=[0.0], time=0.0))  # fmt: skip
+    usage = P.Usage(prompt_tokens=10, cached_tokens=0, completion_tokens=len(pieces))
+    events += run.add(P.Finish(request_id="r", index=0, reason=reason, usage=usage))
+    return events, run.result()
+
+
+THINK_AND_CALL = ["<think>", "Use the", " tool.</think>", "Let me check.", "<tool_call>",
+                  '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "</tool_call>"]
+
+
+def test_a_thinking_reply_with_a_call_through_both_apis() -> None:
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    r_plan = parse_responses({"input": "Weather?", "tools": tools, "stream": True}, LIMITS).plan
+    m_plan = parse_messages({"max_tokens": 50, "messages": USER, "stream": True,
+                             "tools": [{"name": "get_weather", "input_schema": WEATHER}],
+                             "thinking": {"type": "enabled", "budget_tokens": 10}},
+                            LIMITS).plan  # fmt: skip
+    for plan in (r_plan, m_plan):  # as apply_model sets them for a model that thinks
+        plan.tool_parser, plan.reasoning = "hermes", True
+    assert m_plan.chat_template_kwargs == {"enable_thinking": True}
+
+    events, res = _read(r_plan, THINK_AND_CALL)
+    enc = ResponsesEncoder(_call(), "m")
+    streamed, state = _sdk_events(enc.begin() + enc.events(events) + enc.end(res))
+    final = state._completed_response
+    assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output[0].content[0].text == "Use the tool."
+    assert final.output_text == "Let me check."
+    assert json.loads(final.output[2].arguments) == {"city": "Paris"}
+    whole = enc.body(res)
+    assert [o["type"] for o in whole["output"]] == ["reasoning", "message", "function_call"]
+
+    events, res = _read(m_plan, THINK_AND_CALL)
+    enc = MessagesEncoder("m")
+    _, message = _anthropic_events(enc.begin() + enc.events(events) + enc.end(res))
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[2].input == {"city": "Paris"} and message.stop_reason == "tool_use"
+    assert enc.body(res)["content"][2]["input"] == {"city": "Paris"}
