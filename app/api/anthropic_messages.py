@@ -98,6 +98,17 @@ def parse_messages(body: Any, limits: Limits) -> MessagesCall:
     return MessagesCall(plan=chat.plan(limits))
 
 
+def parse_count_tokens(body: Any, limits: Limits) -> MessagesCall:
+    """`POST /v1/messages/count_tokens`: a Messages body without max_tokens (nothing is
+    generated); the plan's messages, tools and template arguments are what gets counted."""
+    body = expect_object(body, "body", "a JSON object")
+    for name in ("max_tokens", "stream"):
+        if name in body:
+            raise bad_request(f"unknown field `{name}` (count_tokens generates nothing)", name,
+                              "unknown_parameter")  # fmt: skip
+    return parse_messages({**body, "max_tokens": limits.max_tokens}, limits)
+
+
 # ------------------------------------------------------------------ request pieces
 
 

@@ -21,9 +21,9 @@ from app.api import agent_runs
 from app.api import requests as R
 from app.api.agent_runs import APIEncoder, ChoiceRun
 from app.api.anthropic_messages import error_response as anthropic_error
-from app.api.anthropic_messages import parse_messages
+from app.api.anthropic_messages import parse_count_tokens, parse_messages
 from app.api.errors import APIError, error_body
-from app.api.generation import Generation, api_error_of
+from app.api.generation import Generation, api_error_of, rendered_tools
 from app.api.guard import GuardMiddleware, read_json
 from app.api.messages_stream import MessagesEncoder
 from app.api.metrics import render as render_metrics
@@ -216,6 +216,24 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
         except Exception as exc:
             log.exception("internal error on %s", request.url.path)
             return anthropic_error(APIError(500, f"internal server error: {exc}"))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's prompt token count (Claude Code asks before long requests)."""
+        try:
+            body = await read_json(request, settings.max_body_bytes)
+            client = link.ready_client()
+            plan = parse_count_tokens(body, limits()).plan
+            R.check_model(plan.model or None, served_names())
+            apply_model(plan, link.model_info, settings.tool_call_parser)
+            try:
+                out = await client.tokenize(messages=plan.messages, tools=rendered_tools(plan),
+                                            chat_template_kwargs=plan.chat_template_kwargs)
+            except EngineError as exc:
+                raise api_error_of(exc) from None
+            return JSONResponse({"input_tokens": len(out.token_ids)})
+        except APIError as exc:
+            return anthropic_error(exc)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -124,6 +124,9 @@ def test_messages_create_equals_chat_and_stream_reassembles_it(sdk, claude) -> N
     assert final.usage.output_tokens == u.output_tokens
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
         want.usage.prompt_tokens  # fmt: skip
+    counted = claude.messages.count_tokens(model=MODEL, system=SYSTEM,
+                                           messages=[{"role": "user", "content": PROMPT}])
+    assert counted.input_tokens == want.usage.prompt_tokens
 
 
 def test_messages_stop_sequence_is_named(sdk, claude) -> None:
