@@ -9,6 +9,10 @@ the ZeroMQ protocol like every other client, and never imports torch or Qt:
     requests.py   request bodies -> validated generation plans (400 naming the field)
     generation.py one generation over the engine client; responses.py, streaming.py: replies
     responses.py  engine replies -> OpenAI response objects and stream chunks
+    openai_responses.py, anthropic_messages.py  the Responses and Messages APIs' requests ->
+                  chat plans (through chat_body.py) and their replies; responses_stream.py,
+                  messages_stream.py their stream events; agent_runs.py drives one chat choice
+                  through either
     metrics.py    telemetry snapshots -> Prometheus text (vLLM's names, `kvscope:` prefix)
     server.py     the ASGI app: routes, limits, disconnects
     keeper.py     the hold on the engine: spawn or attach, restart, reattach
