@@ -184,6 +184,10 @@ class HttpActor:
                         self.malformed(http)
                     elif roll < 0.15:
                         self.disconnect_mid_stream()
+                    elif roll < 0.25:
+                        self.agent_request(http, stream=roll < 0.2)
+                    elif roll < 0.28:
+                        self.agent_malformed(http)
                     else:
                         self.one_request(http, stream=roll < 0.6)
                 except httpx.HTTPError as exc:
@@ -262,6 +266,61 @@ class HttpActor:
             self.tally.add("http_malformed", error=f"http_{status}")
         else:
             self.tally.fail(f"http malformed: expected {status}, got {r.status_code}")
+
+
+    def agent_request(self, http: httpx.Client, stream: bool) -> None:
+        """The Responses or the Messages API (app/api/openai_responses.py, anthropic_messages.py),
+        streamed or not; a stream must end with its API's last event."""
+        prompt = _prompt(self.rng)
+        max_tokens = self.rng.randint(1, 32)
+        if self.rng.random() < 0.5:
+            path, last = "/v1/responses", ("response.completed", "response.incomplete")
+            body: dict = {"instructions": prompt[0]["content"], "input": prompt[1]["content"],
+                          "max_output_tokens": max_tokens}  # fmt: skip
+        else:
+            path, last = "/v1/messages", ("message_stop",)
+            body = {"system": prompt[0]["content"], "max_tokens": max_tokens,
+                    "messages": [prompt[1]]}  # fmt: skip
+        body["temperature"] = self.rng.choice([0.0, 0.7])
+        if not stream:
+            r = http.post(path, json=body)
+            if r.status_code != 200:
+                self.tally.fail(f"http {path}: {r.status_code} {r.text[:200]}")
+                return
+            usage = r.json()["usage"]
+            self.tally.add("http_agent_completed", tokens=usage["output_tokens"])
+            return
+        body["stream"] = True
+        events: list[str] = []
+        with http.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                self.tally.fail(f"http stream {path}: {r.status_code} {r.text[:200]}")
+                return
+            events = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+        if not events or events[-1] not in last or "error" in events:
+            self.tally.fail(f"http stream {path}: events end with {events[-3:]}")
+            return
+        self.tally.add("http_agent_stream_completed")
+
+    def agent_malformed(self, http: httpx.Client) -> None:
+        """Each answered with a 400 in its API's own error shape."""
+        cases = [
+            ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}),
+            ("/v1/responses", {"input": [{"type": "item_reference", "id": "x"}]}),
+            ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}),  # no max_tokens
+            ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {}}]}]}),
+        ]  # fmt: skip
+        path, body = self.rng.choice(cases)
+        r = http.post(path, json=body)
+        out = r.json() if r.headers.get("content-type", "").startswith("application/json") \
+            else {}  # fmt: skip
+        shaped = out.get("type") == "error" if path == "/v1/messages" else "error" in out
+        if r.status_code == 400 and shaped:
+            self.tally.add("http_malformed", error="http_400")
+        else:
+            self.tally.fail(f"http malformed {path}: expected 400, got {r.status_code} {out}")
 
 
 class ControlActor:

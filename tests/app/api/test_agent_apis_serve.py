@@ -292,3 +292,27 @@ def test_anthropic_sdk_tool_round_trip(claude, stream) -> None:
         {"role": "assistant", "content": first.content},
         {"role": "user", "content": [result]}])  # fmt: skip
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+@needs_structured
+def test_structured_output_through_both_apis(sdk, claude) -> None:
+    from pydantic import BaseModel, ConfigDict
+
+    class Weather(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        city: Literal["Paris", "Oslo"]
+        sunny: bool
+
+    got = sdk.responses.parse(model=MODEL, input="Weather?", text_format=Weather,
+                              max_output_tokens=128, temperature=1.0)  # fmt: skip
+    assert isinstance(got.output_parsed, Weather)
+    events = list(sdk.responses.create(model=MODEL, input="Weather?", max_output_tokens=128,
+                                       stream=True, text={"format": {"type": "json_object"}}))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert isinstance(json.loads(text), dict)
+    schema = Weather.model_json_schema()
+    reply = claude.messages.create(model=MODEL, max_tokens=128,
+                                   messages=[{"role": "user", "content": "Weather?"}],
+                                   output_config={"format": {"type": "json_schema",
+                                                             "schema": schema}})  # fmt: skip
+    Weather.model_validate_json(reply.content[0].text)
