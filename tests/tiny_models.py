@@ -253,10 +253,9 @@ def _hf_config(
     else:
         types = layer_types or tuple("full_attention" if i % 2 else "sliding_attention"
                                      for i in range(num_layers))  # fmt: skip
-        common["rope_parameters"] = {
-            "full_attention": rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": rope_theta / 10},
-        }
+        common["rope_parameters"] = {"full_attention": rope,
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": rope_theta / 10}}
         config = Gemma3TextConfig(sliding_window=sliding_window or 4096, layer_types=list(types),
                                   query_pre_attn_scalar=query_pre_attn_scalar or head_dim,
                                   hidden_activation="gelu_pytorch_tanh",
@@ -611,11 +610,8 @@ def _validate_phi_gemma2(architecture: str, attention_bias: bool | None,
     if attention_bias:
         raise ValueError(f"{architecture} has no q/k/v biases")
     allowed = ("longrope",) if architecture == "phi3" else ()
-    if (
-        rope_scaling is not None
-        and rope_scaling not in allowed
-        and not isinstance(rope_scaling, dict)
-    ):
+    if rope_scaling is not None and rope_scaling not in allowed and not isinstance(rope_scaling,
+                                                                                    dict):
         raise ValueError(f"rope_scaling must be None, a dict or one of {allowed}, got "
                          f"{rope_scaling!r}")  # fmt: skip
 
@@ -709,9 +705,8 @@ def _write_gguf_phi_gemma2(hf_dir: Path, out: Path, config: dict) -> None:
             scale = config["max_position_embeddings"] / original
             attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1
             writer.add_rope_scaling_attn_factors(attn_factor)
-            writer.add_tensor(
-                "rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)
-            )
+            writer.add_tensor("rope_factors_long.weight",
+                              np.array(rope["long_factor"], dtype=np.float32))
             writer.add_tensor("rope_factors_short.weight",
                               np.array(rope["short_factor"], dtype=np.float32))  # fmt: skip
         layer_names = _GGUF_PHI3_LAYER
@@ -721,10 +716,8 @@ def _write_gguf_phi_gemma2(hf_dir: Path, out: Path, config: dict) -> None:
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
         writer.add_sliding_window(config["sliding_window"])
-        if config["layer_types"] != [
-            ("sliding_attention" if (i + 1) % 2 else "full_attention")
-            for i in range(config["num_hidden_layers"])
-        ]:
+        if config["layer_types"] != [("sliding_attention" if (i + 1) % 2 else "full_attention")
+                                     for i in range(config["num_hidden_layers"])]:
             writer.add_sliding_window_pattern([t == "sliding_attention"
                                                for t in config["layer_types"]])  # fmt: skip
         layer_names = _GGUF_GEMMA2_LAYER
