@@ -24,6 +24,7 @@ from typing import Any
 from app.api.keeper import EngineKeeper
 from app.api.server import EngineLink, create_app
 from app.api.settings import ServerSettings, is_loopback_host
+from app.api.tools import ALIASES, FAMILIES
 from app.router.deployment import DisaggKeeper, DisaggLink
 from app.supervisor import (
     DECODE_WEIGHTS,
@@ -35,6 +36,9 @@ log = logging.getLogger("app.serve")
 
 MIN_REMOTE_KEY_LENGTH = 16
 EXIT_BAD_OPTIONS = 2
+
+
+TOOL_PARSERS = sorted({*FAMILIES, *ALIASES})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-body-bytes", type=int, default=1 << 20)
     h.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
     h.add_argument("--max-tokens", type=int, default=None, help="cap (default: max_model_len)")
+    h.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="how tool calls are read from replies (default: the chat template's "
+                   "family, hermes for templates without tools)")  # fmt: skip
     h.add_argument("--cors-origin", action="append", default=[], help="allow this origin (CORS)")
     h.add_argument(
         "--allowed-host", action="append", default=[], help="extra Host header name on loopback"
@@ -180,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         cors_origins=list(args.cors_origin),
         allowed_hosts=list(args.allowed_host),
+        tool_call_parser=args.tool_call_parser,
     )
     token = args.token or os.environ.get("KVSCOPE_TOKEN") or None
     try:

@@ -181,6 +181,8 @@ class AsyncEngineClient:
         sampling: P.SamplingOptions | None = None,
         cache_salt: str | None = None,
         kv_transfer: P.KVTransferParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> AsyncRequestStream:
         self._check_ready()
         if request_id in self._streams:
@@ -193,6 +195,8 @@ class AsyncEngineClient:
             sampling=sampling,
             cache_salt=cache_salt,
             kv_transfer=kv_transfer,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
         )
         stream = AsyncRequestStream(self, request_id, sampling.n)
         self._streams[request_id] = stream
@@ -215,6 +219,8 @@ class AsyncEngineClient:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         timeout: float = 30.0,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> P.Tokenized:
         msg = P.Tokenize(
             request_id=f"tok-{os.urandom(8).hex()}",
@@ -222,6 +228,8 @@ class AsyncEngineClient:
             messages=messages,
             add_special_tokens=add_special_tokens,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
         )
         return await self._ask(msg, msg.request_id, timeout)
 

@@ -157,6 +157,11 @@ class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str = ""  # "" (serves whole requests), "prefill" or "decode" (disaggregated)
     kv_transfer_endpoint: str = ""  # prefill role: where decode engines pull KV blocks
     cache_identity: str = ""  # all that decides K/V contents besides tokens (model, dtypes, ...)
+    # how the API reads replies: the tool-call family its chat template teaches (hermes,
+    # llama3_json, mistral, pythonic; hermes for templates without tools, the engine's fallback)
+    # and "think" / "think_open" when it has thinking markers (open: the prompt opens the block)
+    tool_parser: str = ""
+    reasoning_parser: str = ""
     # hybrid KV cache (sliding-window layers): group 0 full attention, then the sliding groups;
     # [] or one group: every layer in one table
     kv_groups: list[KVGroup] = []

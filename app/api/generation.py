@@ -47,6 +47,8 @@ class Generation:
                 messages=self.plan.messages if prompt is None else None,
                 sampling=self.plan.sampling,
                 cache_salt=self.plan.cache_salt,
+                tools=rendered_tools(self.plan),
+                chat_template_kwargs=self.plan.chat_template_kwargs,
             )
             self.streams.append(stream)
             self._finishes.append(0)
@@ -85,6 +87,12 @@ class Generation:
                     await stream.abort()
 
 
+def rendered_tools(plan: GenerationPlan) -> list[dict] | None:
+    """The tools the template shows the model: none under tool_choice "none" (the caller wants
+    prose; app/api/tools/request.py)."""
+    return plan.tools if plan.tool_choice != "none" else None
+
+
 def msg_size_check(prompt: str | list[int] | None, plan: GenerationPlan) -> None:
     """The engine drops (with the connection) any frame over 1 MiB: refuse such prompts here."""
     msg = P.Generate(
@@ -93,6 +101,8 @@ def msg_size_check(prompt: str | list[int] | None, plan: GenerationPlan) -> None
         messages=plan.messages if prompt is None else None,
         sampling=plan.sampling,
         cache_salt=plan.cache_salt,
+        tools=rendered_tools(plan),
+        chat_template_kwargs=plan.chat_template_kwargs,
     )
     size = len(P.encode(msg))
     if size > P.MAX_CLIENT_MESSAGE_BYTES:

@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.api.errors import APIError, bad_request
+from app.api.tools.request import (
+    MESSAGE_FIELDS,
+    apply_tools,
+    message_tool_fields,
+    parse_template_kwargs,
+    parse_tools,
+)
 from ipc import protocol as P
 
 MAX_TOP_LOGPROBS = 20
@@ -26,13 +33,11 @@ HARMLESS_FIELDS = frozenset(
 
 # Known fields that would change the output, with why they are refused (or when they are fine).
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning effort is not supported",
     "verbosity": "verbosity is not supported",
     "guided_json": "guided decoding is not supported",
     "guided_regex": "guided decoding is not supported",
@@ -43,7 +48,6 @@ UNSUPPORTED_FIELDS = {
     "min_p": "min_p is not supported",
     "suffix": "suffix (insertion) is not supported",
     "chat_template": "custom chat templates are not supported",
-    "chat_template_kwargs": "chat template arguments are not supported",
     "prompt_logprobs": "prompt logprobs are not supported",
 }
 
@@ -58,6 +62,7 @@ COMMON_FIELDS = frozenset(
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice",
     "parallel_tool_calls", "modalities", "add_generation_prompt",
+    "tools", "chat_template_kwargs", "reasoning_effort",  # app/api/tools/request.py
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
@@ -87,6 +92,14 @@ class GenerationPlan:
     include_usage: bool = False
     logprobs: bool = False
     cache_salt: str | None = None
+    # chat: tools (app/api/tools/) and thinking (app/api/reasoning.py), read by ChoiceReader
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, validated
+    tool_choice: str | dict[str, Any] = "auto"  # auto | none | required | {"type": "function", ...}
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template
+    tool_parser: str = "hermes"  # the family that reads calls (app/api/tools/__init__.py)
+    reasoning: bool = False  # split <think> ... </think> into reasoning
+    reasoning_open: bool = False  # the prompt already opened the thinking block
 
     @property
     def num_prompts(self) -> int:
@@ -108,11 +121,6 @@ def parse_chat(body: Any, limits: Limits) -> GenerationPlan:
                 "supported",
                 "response_format",
             )
-    choice = body.get("tool_choice")
-    if choice is not None and choice != "none" and choice != "auto":
-        raise bad_request(
-            "tool_choice must be 'none' (tool calling is not supported)", "tool_choice"
-        )
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request(
@@ -131,6 +139,7 @@ def parse_chat(body: Any, limits: Limits) -> GenerationPlan:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     _fill_common(plan, body, limits, max_tokens, (top or 0) if logprobs else None)
+    apply_tools(plan, body)
     return plan
 
 
@@ -149,7 +158,7 @@ def parse_tokenize(body: Any) -> dict[str, Any]:
     """vLLM's /tokenize: {prompt, add_special_tokens} or {messages, add_generation_prompt}."""
     body = _object(body)
     allowed = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-               "return_token_strs"}  # fmt: skip
+               "return_token_strs", "tools", "chat_template_kwargs"}  # fmt: skip
     _check_fields(body, allowed)
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give exactly one of `prompt` (a string) and `messages`", "prompt")
@@ -161,6 +170,8 @@ def parse_tokenize(body: Any) -> dict[str, Any]:
     return {
         "messages": _messages(body),
         "add_generation_prompt": _bool(body, "add_generation_prompt", True),
+        "tools": parse_tools(body),
+        "chat_template_kwargs": parse_template_kwargs(body),
     }
 
 
@@ -284,21 +295,25 @@ def _messages(body: dict[str, Any]) -> list[P.ChatMessage]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content}", "messages")
     out = []
+    call_names: dict[str, str] = {}  # tool call id -> function name, for tool turns
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad_request(f"{where} must be an object with role and content", where)
-        extra = set(m) - {"role", "content", "name"}
-        if "tool_calls" in extra or "tool_call_id" in extra:
-            raise bad_request(f"{where}: tool calls are not supported", where)
+        extra = set(m) - {"role", "content", "name"} - MESSAGE_FIELDS
         if extra:
             raise bad_request(f"{where} has unknown fields {sorted(extra)}", where)
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise bad_request(f"{where}.role must be one of {list(CHAT_ROLES)}, got {role!r}",
                               f"{where}.role")  # fmt: skip
-        content = _content(m.get("content"), f"{where}.content")
-        out.append(P.ChatMessage(role="system" if role == "developer" else role, content=content))
+        fields = message_tool_fields(m, role, where, call_names)
+        if m.get("content") is None and fields.get("tool_calls"):
+            content = ""  # an assistant turn that only called tools
+        else:
+            content = _content(m.get("content"), f"{where}.content")
+        role = "system" if role == "developer" else role
+        out.append(P.ChatMessage(role=role, content=content, **fields))
     return out
 
 

@@ -12,6 +12,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.api.chat_output import (
+    ChoiceEvent,
+    ChoiceOutput,
+    ChoiceReader,
+    ContentDelta,
+    ReasoningDelta,
+    ToolCallStart,
+)
 from app.api.requests import GenerationPlan
 from ipc import protocol as P
 
@@ -23,10 +31,21 @@ class ChoiceState:
     num_tokens: int = 0
     logprobs: list[P.TokenLogprobs] = field(default_factory=list)
     finish: P.Finish | None = None
+    reader: ChoiceReader | None = None  # chat: content, reasoning and tool calls
+    events: list[ChoiceEvent] = field(default_factory=list)  # what the last add() read
 
     @property
     def finish_reason(self) -> str | None:
-        return None if self.finish is None else self.finish.reason
+        if self.finish is None:
+            return None
+        if self.reader is not None and self.finish.reason != "length" and self.out.tool_calls:
+            return "tool_calls"
+        return self.finish.reason
+
+    @property
+    def out(self) -> ChoiceOutput:
+        assert self.reader is not None
+        return self.reader.output()
 
 
 @dataclass(slots=True)
@@ -45,7 +64,10 @@ class Reply:
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
         self.created = self.created or int(time.time())
         total = self.plan.num_prompts * self.plan.sampling.n
-        self.choices = [ChoiceState(i) for i in range(total)]
+        chat = self.plan.kind == "chat"
+        self.choices = [
+            ChoiceState(i, reader=ChoiceReader(self.plan) if chat else None) for i in range(total)
+        ]
 
     def choice_of(self, prompt_index: int, seq_index: int) -> ChoiceState:
         return self.choices[prompt_index * self.plan.sampling.n + seq_index]
@@ -57,8 +79,12 @@ class Reply:
             choice.num_tokens += len(msg.token_ids)
             if msg.logprobs:
                 choice.logprobs.extend(msg.logprobs)
+            if choice.reader is not None:
+                choice.events = choice.reader.feed(msg.text, len(msg.token_ids))
         else:
             choice.finish = msg
+            if choice.reader is not None:
+                choice.events = choice.reader.finish()
             u = msg.usage
             if u.prompt_tokens or prompt_index not in self.prompt_tokens:
                 self.prompt_tokens[prompt_index] = (u.prompt_tokens, u.cached_tokens)
@@ -68,12 +94,16 @@ class Reply:
         prompt = sum(n for n, _ in self.prompt_tokens.values())
         cached = sum(c for _, c in self.prompt_tokens.values())
         completion = sum(c.num_tokens for c in self.choices)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if self.plan.reasoning:
+            thinking = sum(c.out.reasoning_tokens for c in self.choices if c.reader is not None)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
+        return usage
 
     # -------------------------------------------------------------- whole responses
 
@@ -82,7 +112,7 @@ class Reply:
             choices = [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "message": message_of(c.out),
                     "logprobs": self._chat_logprobs(c.logprobs) if self.plan.logprobs else None,
                     "finish_reason": c.finish_reason,
                 }
@@ -123,6 +153,23 @@ class Reply:
                 "finish_reason": None,
             }
         )
+
+    def event_chunks(self, choice: ChoiceState, delta: P.Delta | None) -> list[dict[str, Any]]:
+        """A chat choice's chunks for what its reader made of the last message (`delta`: the
+        engine's, for its logprobs, which ride on the first chunk)."""
+        lp = delta.logprobs if delta is not None and self.plan.logprobs else None
+        entries = [delta_of(e) for e in choice.events]
+        if not entries and lp:
+            entries = [{"content": ""}]
+        out = []
+        for i, d in enumerate(entries):
+            out.append(self._chunk({
+                "index": choice.index,
+                "delta": d,
+                "logprobs": self._chat_logprobs(lp) if lp and i == 0 else None,
+                "finish_reason": None,
+            }))  # fmt: skip
+        return out
 
     def delta_chunk(self, choice: ChoiceState, delta: P.Delta, offset: int) -> dict[str, Any]:
         """`offset`: characters of this choice's text before this delta (completions)."""
@@ -209,3 +256,36 @@ class Reply:
             "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
             "text_offset": offsets,
         }
+
+
+# ------------------------------------------------------------------ chat shapes
+
+
+def message_of(out: ChoiceOutput) -> dict[str, Any]:
+    """A read choice -> the chat message (content null when the reply is only calls)."""
+    calls = out.tool_calls
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": None if calls and not out.content.strip() else out.content,
+    }
+    if out.reasoning is not None:
+        # vLLM's two names: reasoning_content (DeepSeek's, most clients) and reasoning (newer)
+        msg["reasoning_content"] = msg["reasoning"] = out.reasoning
+    if calls:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return msg
+
+
+def delta_of(event: ChoiceEvent) -> dict[str, Any]:
+    if isinstance(event, ContentDelta):
+        return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text, "reasoning": event.text}
+    if isinstance(event, ToolCallStart):
+        fn = {"name": event.name, "arguments": ""}
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": fn}]}  # fmt: skip
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}

@@ -25,6 +25,7 @@ from app.api.metrics import render as render_metrics
 from app.api.responses import Reply
 from app.api.settings import ServerSettings
 from app.api.streaming import SSEResponse, first_events, stream_chunks, wait_disconnect
+from app.api.tools.request import apply_model
 from ipc import protocol as P
 from ipc.async_client import AsyncEngineClient
 from ipc.client import EngineError
@@ -177,6 +178,7 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
         body = await read_json(request, settings.max_body_bytes)
         link.ready_client()
         plan = R.parse_chat(body, limits())
+        apply_model(plan, link.model_info, settings.tool_call_parser)
         return await run_plan(request, plan)
 
     @app.post("/v1/completions")

@@ -25,6 +25,7 @@ class ServerSettings:
     max_tokens: int | None = None  # per sequence; None: max_model_len
     cors_origins: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)  # extra Host names on loopback
+    tool_call_parser: str | None = None  # None: the family the engine detected (app/api/tools/)
 
     @property
     def loopback(self) -> bool:

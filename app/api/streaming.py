@@ -97,7 +97,12 @@ async def stream_chunks(
         if reply.plan.kind == "chat" and choice.index not in started:
             started.add(choice.index)
             out.append(sse(reply.role_chunk(choice)))
-        if isinstance(msg, P.Delta):
+        if choice.reader is not None:  # chat: what the choice's reader made of it
+            delta = msg if isinstance(msg, P.Delta) else None
+            out.extend(sse(c) for c in reply.event_chunks(choice, delta))
+            if isinstance(msg, P.Finish):
+                out.append(sse(reply.finish_chunk(choice)))
+        elif isinstance(msg, P.Delta):
             if msg.text or msg.logprobs:
                 out.append(sse(reply.delta_chunk(choice, msg, offsets[choice.index])))
                 offsets[choice.index] += len(msg.text)

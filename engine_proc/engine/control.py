@@ -11,6 +11,7 @@ from typing import Any
 
 from engine_proc.core.kv_events import KVEvent, KVEventLog, full_replay
 from engine_proc.core.request import Sequence
+from engine_proc.engine.chat_render import reasoning_parser_of, tool_parser_of
 from engine_proc.engine.parts import EngineParts
 from engine_proc.engine.telemetry import build_snapshot
 from engine_proc.engine.telemetry_types import EngineSnapshot
@@ -126,6 +127,9 @@ class LiveControl(EngineParts):
                           for g, w in enumerate(self.kv_layout.windows)],  # fmt: skip
             "kv_pool_bytes": self.num_blocks * self.block_bytes,
             "max_model_len": self.max_model_len,
+            # how the API reads replies (engine_proc/engine/chat_render.py)
+            "tool_parser": tool_parser_of(self.tokenizer),
+            "reasoning_parser": reasoning_parser_of(self.tokenizer),
             "cuda_graph_sizes": (
                 self.runner.decode_graphs.batch_sizes if self.runner.decode_graphs else []
             ),

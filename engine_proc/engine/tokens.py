@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine_proc.engine.chat_render import ChatPrompt, render
 from engine_proc.engine.parts import EngineParts
 
-Prompt = str | list[int] | list[dict[str, str]]
+Prompt = str | list[int] | list[dict[str, str]] | ChatPrompt
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -21,6 +22,12 @@ class Tokenization(EngineParts):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             ids = self.tokenize_text(prompt)
+        elif isinstance(prompt, ChatPrompt):
+            ids = self.tokenize_chat(
+                prompt.messages,
+                tools=prompt.tools,
+                chat_template_kwargs=prompt.chat_template_kwargs,
+            )
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self.tokenize_chat(prompt)
         elif isinstance(prompt, list) and all(
@@ -54,9 +61,15 @@ class Tokenization(EngineParts):
         return self.tokenizer.decode(token_ids)
 
     def tokenize_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation under the model's chat template."""
+        """Token ids of a conversation under the model's chat template, with the tools and the
+        template arguments (engine_proc/engine/chat_render.py; its fallback for templates
+        without tool support)."""
         for i, m in enumerate(messages):
             if m.get("role") not in _CHAT_ROLES:
                 raise ValueError(
@@ -71,7 +84,6 @@ class Tokenization(EngineParts):
                 f"the model {self.checkpoint_name!r} has no chat template: send a plain prompt "
                 "(/v1/completions) instead of chat messages"
             )
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        prompt = ChatPrompt(messages, tools, chat_template_kwargs)
+        text = render(self.tokenizer, prompt, add_generation_prompt)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from engine_proc.engine.chat_render import message_dicts
 from ipc import protocol as P
 
 log = logging.getLogger("engine_proc.server")
@@ -24,8 +25,10 @@ class Controls:
     def _on_tokenize(self, client: Any, msg: P.Tokenize) -> None:
         try:
             if msg.messages is not None:
-                messages = [{"role": m.role, "content": m.content} for m in msg.messages]
-                ids = self.engine.tokenize_chat(messages, msg.add_generation_prompt)
+                ids = self.engine.tokenize_chat(
+                    message_dicts(msg.messages), msg.add_generation_prompt, msg.tools,
+                    msg.chat_template_kwargs,
+                )
                 text = self.engine.tokenizer.decode(ids)
             else:
                 assert msg.prompt is not None

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine_proc.engine.chat_render import ChatPrompt, message_dicts
 from engine_proc.server.config import ServerConfig
 from engine_proc.server.control import Controls
 from engine_proc.server.disagg import Disaggregation, PendingPull
@@ -306,7 +307,8 @@ class EngineServer(RequestTracking, Controls, Publishing):
             self._send_error(cid, P.ERR_INVALID_REQUEST, str(exc), request_id=rid)
             return
         if msg.messages is not None:
-            prompt: Any = [{"role": m.role, "content": m.content} for m in msg.messages]
+            prompt: Any = ChatPrompt(message_dicts(msg.messages), msg.tools,
+                                     msg.chat_template_kwargs)  # fmt: skip
         else:
             prompt = msg.prompt
         if kv is not None and kv.remote_endpoint is not None:
