@@ -96,22 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--disaggregated", action="store_true",
                    help="spawn a prefill and a decode engine (CPU cores split) and route "
                    "every request through both")  # fmt: skip
-    d.add_argument(
-        "--connect-prefill",
-        default=None,
-        help="with --disaggregated: a running `--role prefill` engine's endpoint",
-    )
-    d.add_argument(
-        "--connect-decode",
-        default=None,
-        help="with --disaggregated: a running `--role decode` engine's endpoint",
-    )
-    d.add_argument(
-        "--disagg-cores",
-        type=int,
-        default=None,
-        help="cores to split between the two engines (default: all)",
-    )
+    d.add_argument("--connect-prefill", default=None,
+                   help="with --disaggregated: a running `--role prefill` engine's endpoint")
+    d.add_argument("--connect-decode", default=None,
+                   help="with --disaggregated: a running `--role decode` engine's endpoint")
+    d.add_argument("--disagg-cores", type=int, default=None,
+                   help="cores to split between the two engines (default: all)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -217,6 +207,7 @@ async def _serve(
 
     link: Any = EngineLink()
     if args.disaggregated:
+
         link = DisaggLink()
     app = create_app(settings, link)
     config = uvicorn.Config(
@@ -231,6 +222,7 @@ async def _serve(
         server.should_exit = True
 
     if args.disaggregated:
+
         keeper: Any = DisaggKeeper(link, args, token, on_fatal=stop_serving)
     else:
         keeper = EngineKeeper(link, args, token, on_fatal=stop_serving)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ipc.messages import StructuredOutput
+if TYPE_CHECKING:  # a type only: engine_proc.core (torch-free) imports this module
+    from ipc.messages import StructuredOutput
 
 MAX_LOGPROBS = 20  # most top candidates per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0

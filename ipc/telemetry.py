@@ -75,6 +75,12 @@ class RequestState(msgspec.Struct, kw_only=True):
     # hybrid KV cache: each sliding-window group's table (group 1 first), -1 where a block was
     # released after leaving the window; empty for models with one group
     group_tables: list[list[int]] = []
+    # agents: the kind of the grammar its output follows ("" none: json, json_object, regex,
+    # choice, grammar), the tools it offered the model, and how many tokens the grammar allowed
+    # at each of its recent steps (oldest first, bounded)
+    structured: str = ""
+    num_tools: int = 0
+    allowed_tokens: list[int] = []
 
 
 class TokenEvent(msgspec.Struct, kw_only=True):

@@ -120,6 +120,21 @@ def tiny_model_dir(
     return out
 
 
+def with_chat_template(model_dir: Path, template: str, name: str) -> Path:
+    """A copy of a tiny checkpoint directory under another chat template (e.g. one with thinking
+    markers or tool support); built once per name and session."""
+    key = f"template:{name}"
+    if key not in _cache:
+        out = _session_dir() / f"templated-{name}"
+        shutil.copytree(model_dir, out)
+        (out / "chat_template.jinja").write_text(template)
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)  # the .jinja file is the template
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+        _cache[key] = out
+    return _cache[key]
+
+
 def hf_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """The transformers model of a checkpoint directory, in eval mode (eager attention)."""
     from transformers import AutoModelForCausalLM

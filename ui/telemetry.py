@@ -69,6 +69,10 @@ class RequestView:
     origin: str = ""  # client_name of the client that sent it ("gui", "http", ...); "" = unknown
     # hybrid KV cache: the sliding groups' tables, -1 where a block left the window
     group_tables: list[list[int]] = field(default_factory=list)
+    # agents: the grammar's kind ("" none), tools offered, tokens the grammar allowed per step
+    structured: str = ""
+    num_tools: int = 0
+    allowed_tokens: list[int] = field(default_factory=list)
 
     def live_blocks(self) -> list[int]:
         """Every block it holds, in all its groups' tables."""
@@ -132,6 +136,9 @@ class Frame:
                 first_token_time=_get(r, "first_token_time"),
                 origin=str(_get(r, "origin", "") or ""),
                 group_tables=[[int(b) for b in t] for t in (_get(r, "group_tables") or [])],
+                structured=str(_get(r, "structured", "") or ""),
+                num_tools=int(_get(r, "num_tools", 0) or 0),
+                allowed_tokens=[int(c) for c in (_get(r, "allowed_tokens") or [])],
             )
             for r in (_get(snap, "requests") or [])
         ]

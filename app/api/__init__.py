@@ -9,6 +9,9 @@ the ZeroMQ protocol like every other client, and never imports torch or Qt:
     requests.py   request bodies -> validated generation plans (400 naming the field)
     generation.py one generation over the engine client; responses.py, streaming.py: replies
     responses.py  engine replies -> OpenAI response objects and stream chunks
+    chat_output.py a chat choice's text -> content, reasoning, tool calls (ChoiceReader), whole
+                  and streamed; reasoning.py the <think> split; tools/ the tool fields of a
+                  request (request.py), the families' parsers, the forced-choice schema
     openai_responses.py, anthropic_messages.py  the Responses and Messages APIs' requests ->
                   chat plans (through chat_body.py) and their replies; responses_stream.py,
                   messages_stream.py their stream events; agent_runs.py drives one chat choice

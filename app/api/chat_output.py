@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.api.reasoning import ReasoningSplitter
+from app.api.tools import ToolStream, family
+from app.api.tools.base import ToolEvent, new_call_id
+from app.api.tools.forced import read_forced
+
 
 @dataclass(slots=True)
 class ToolCall:
@@ -71,10 +76,6 @@ class ChoiceReader:
     """
 
     def __init__(self, plan: Any) -> None:
-        # imported here: the parsers import this module's types
-        from app.api.reasoning import ReasoningSplitter
-        from app.api.tools import ToolStream, family
-
         self._splitter = (
             ReasoningSplitter(start_inside=getattr(plan, "reasoning_open", False))
             if getattr(plan, "reasoning", False)
@@ -140,15 +141,13 @@ class ChoiceReader:
         if self._stream is None:
             events: list[ChoiceEvent] = [ContentDelta(text)] if text else []
         else:
-            events = self._stream.feed(text) if text else []
+            raw = self._stream.feed(text) if text else []
             if final:
-                events.extend(self._stream.finish())
+                raw.extend(self._stream.finish())
+            events = [_event_of(e) for e in raw]
         return self._record(events)
 
     def _forced_events(self) -> list[ChoiceEvent]:
-        from app.api.tools.base import new_call_id
-        from app.api.tools.forced import read_forced
-
         text = "".join(self._forced_text)
         calls = read_forced(text)
         if calls is None:  # not enforced, or cut short: the model's text, as content
@@ -168,3 +167,11 @@ class ChoiceReader:
             elif isinstance(e, ToolCallArguments):
                 self._calls[e.index].arguments += e.text
         return events
+
+
+def _event_of(e: ToolEvent) -> ChoiceEvent:
+    if e[0] == "content":
+        return ContentDelta(e[1])
+    if e[0] == "start":
+        return ToolCallStart(e[1], e[2], e[3])
+    return ToolCallArguments(e[1], e[2])

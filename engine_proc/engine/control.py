@@ -123,10 +123,8 @@ class LiveControl(EngineParts):
             "kv_bytes_per_token": self.kv_bytes_per_token,
             # hybrid KV (engine_proc/core/kv_groups.py): per group its window (None = full
             # attention) and layers; one group of every layer otherwise
-            "kv_groups": [
-                {"window": w, "layers": self.kv_layout.layers_of(g)}
-                for g, w in enumerate(self.kv_layout.windows)
-            ],  # fmt: skip
+            "kv_groups": [{"window": w, "layers": self.kv_layout.layers_of(g)}
+                          for g, w in enumerate(self.kv_layout.windows)],  # fmt: skip
             "kv_pool_bytes": self.num_blocks * self.block_bytes,
             "max_model_len": self.max_model_len,
             # how the API reads replies (engine_proc/engine/chat_render.py)

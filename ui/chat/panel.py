@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from typing import Any
 
@@ -21,7 +20,6 @@ from PySide6.QtWidgets import (
     QAbstractItemView,
     QDoubleSpinBox,
     QFormLayout,
-    QFrame,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -31,7 +29,6 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
-    QSizePolicy,
     QSpinBox,
     QSplitter,
     QVBoxLayout,
@@ -41,77 +38,10 @@ from PySide6.QtWidgets import (
 from app.conversations import Conversation, ConversationStore, Message
 from app.settings import SamplingDefaults
 from ui import theme
+from ui.chat.message_view import MessageView
+from ui.chat.thinking import split_thinking
 
 log = logging.getLogger(__name__)
-
-ROLE_STYLE = {
-    "user": ("You", "#2a3342"),
-    "assistant": ("Assistant", "#23272f"),
-}
-
-
-def format_stats(stats: dict) -> str:
-    """'TTFT 120 ms · 31.2 tok/s · prompt 45 / cached 32 / generated 100 · stop'."""
-    if not stats:
-        return ""
-    parts = []
-    ttft = stats.get("ttft")
-    if isinstance(ttft, int | float) and math.isfinite(ttft):
-        parts.append(f"TTFT {ttft * 1000:.0f} ms")
-    tps = stats.get("tok_s")
-    if isinstance(tps, int | float) and math.isfinite(tps):
-        parts.append(f"{tps:.1f} tok/s")
-    if "prompt_tokens" in stats:
-        cached = stats.get("cached_tokens", 0)
-        # a server over HTTP may not report cached tokens: say nothing rather than 0
-        parts.append(f"prompt {stats['prompt_tokens']}"
-                     + (f" / cached {cached}" if cached is not None else "")
-                     + f" / generated {stats.get('completion_tokens', 0)}")
-    if stats.get("finish_reason"):
-        parts.append(str(stats["finish_reason"]))
-    if stats.get("error"):
-        parts.append(str(stats["error"]))
-    return " · ".join(parts)
-
-
-class MessageView(QFrame):
-    """One turn: role header, text, and (for replies) the stats line."""
-
-    def __init__(self, msg: Message, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.msg = msg
-        name, bg = ROLE_STYLE.get(msg.role, (msg.role, "#23272f"))
-        self.setObjectName("msg")
-        self.setStyleSheet(f"QFrame#msg {{ background: {bg}; border-radius: 6px; }}")
-        lay = QVBoxLayout(self)
-        lay.setContentsMargins(10, 6, 10, 6)
-        lay.setSpacing(2)
-        head = QLabel(name)
-        head.setStyleSheet(f"color: {theme.ACCENT if msg.role == 'user' else '#9fd39f'};"
-                           "font-weight: bold;")
-        self.text = QLabel()
-        self.text.setTextFormat(Qt.TextFormat.PlainText)
-        self.text.setWordWrap(True)
-        self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.text.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
-        self.stats = QLabel()
-        self.stats.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
-        self.stats.setWordWrap(True)
-        lay.addWidget(head)
-        lay.addWidget(self.text)
-        lay.addWidget(self.stats)
-        self.refresh()
-
-    def refresh(self, streaming: bool = False) -> None:
-        self.text.setText(self.msg.content + (" ▍" if streaming else ""))
-        line = format_stats(self.msg.stats)
-        if self.msg.interrupted:
-            why = self.msg.stats.get("interrupted_by", "interrupted")
-            line = (line + " · " if line else "") + f"⚠ {why}"
-            self.stats.setStyleSheet("color: #ff8a80; font-size: 8pt;")
-        self.stats.setText(line)
-        self.stats.setVisible(self.msg.role == "assistant" and bool(line))
-
 
 class _EnterFilter(QObject):
     """Enter sends, Shift+Enter inserts a newline."""
@@ -144,6 +74,7 @@ class ChatPanel(QWidget):
         self.current: Conversation | None = None
         # rid -> (conv id, reply, {"n": tokens streamed so far})
         self.active: dict[str, tuple[str, Message, dict]] = {}
+        self.reasoning_open = False  # the model's prompt opens <think> (ModelInfo.reasoning_parser)
         self.last_request: dict[str, str] = {}  # conv id -> latest request id
         self.engine_ready = False
         self._seq = itertools.count(1)
@@ -395,7 +326,7 @@ class ChatPanel(QWidget):
         self._stick_to_bottom = True
 
     def _append_view(self, m: Message, streaming: bool = False) -> MessageView:
-        v = MessageView(m)
+        v = MessageView(m, thinking_opens_reply=self.reasoning_open)
         v.refresh(streaming)
         self.tlay.insertWidget(self.tlay.count() - 1, v)
         self._views.append(v)
@@ -564,10 +495,13 @@ class ChatPanel(QWidget):
                     continue
                 reply.content += msg.text
                 timing["n"] += len(msg.token_ids)
+                self._track_thinking(reply, timing, len(msg.token_ids))
             elif kind == "Finish":
                 if msg.index != 0:
                     continue
-                reply.stats = self._finish_stats(msg)
+                self._track_thinking(reply, timing, 0, finished=True)
+                thought = {k: v for k, v in reply.stats.items() if k.startswith("thinking_")}
+                reply.stats = thought | self._finish_stats(msg)
                 if msg.reason in ("abort", "error"):
                     reply.interrupted = True
                     reply.stats["interrupted_by"] = (
@@ -590,6 +524,21 @@ class ChatPanel(QWidget):
                     v.refresh(streaming=rid in self.active)
         if touched:
             self._update_buttons()
+
+    def _track_thinking(self, reply: Message, timing: dict, n: int,
+                        finished: bool = False) -> None:  # fmt: skip
+        """A reply's thinking tokens and time, into its stats: tokens counted while the block
+        is open, the time from its first token to the answer's start (or the reply's end)."""
+        if "thinking_s" in reply.stats:
+            return
+        split = split_thinking(reply.content, self.reasoning_open)
+        if split.reasoning is None:
+            return
+        now = time.monotonic()
+        t0 = timing.setdefault("think_t0", now)
+        reply.stats["thinking_tokens"] = reply.stats.get("thinking_tokens", 0) + n
+        if not split.thinking or finished:
+            reply.stats["thinking_s"] = now - t0
 
     @staticmethod
     def _finish_stats(msg: Any) -> dict:

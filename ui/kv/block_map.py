@@ -31,6 +31,8 @@ from PySide6.QtWidgets import (
 )
 
 from ui import theme
+from ui.kv.block_detail import STATE_NAMES, detail_text, state_name
+from ui.kv.constraints import constraint_label, constraint_tooltip
 from ui.telemetry import BLOCK_CACHED, BLOCK_EMPTY, BLOCK_IN_USE, Frame, origin_label
 
 # colour indices in the LUT
@@ -48,9 +50,7 @@ def cell_size(n: int) -> tuple[int, int]:
     if n <= 65536:
         return 2, 3
     return 1, 1  # no gap: one pixel per block
-TABLE_COLUMNS = ("request", "origin", "status", "prompt", "hit", "gen", "blocks")
-STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached (evictable)", BLOCK_IN_USE: "in use"}
-SHORT_STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached", BLOCK_IN_USE: "in use"}
+TABLE_COLUMNS = ("request", "origin", "status", "prompt", "hit", "gen", "blocks", "constraint")
 
 
 def _lut() -> np.ndarray:
@@ -80,6 +80,7 @@ class BlockMapWidget(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.frame: Frame | None = None
+        self.vocab_size = 0  # the model's, for the grammar's allowed-token counts
         self.colour_index = np.zeros(0, np.uint8)  # per block, before dimming (for tests)
         self.highlight_rid: str | None = None
         self.highlight_blocks: set[int] = set()
@@ -114,6 +115,9 @@ class BlockMapWidget(QWidget):
             "http = the OpenAI-compatible API, otherwise the name the client gave the engine")
         self.table.horizontalHeaderItem(TABLE_COLUMNS.index("hit")).setToolTip(
             "prompt tokens served by the prefix cache")
+        self.table.horizontalHeaderItem(TABLE_COLUMNS.index("constraint")).setToolTip(
+            "what an agent's request carries: a grammar (json, regex, choice, grammar; from "
+            "response_format, structured_outputs or a forced tool_choice) and/or tools")
         self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.table.verticalHeader().setDefaultSectionSize(20)
         self.table.verticalHeader().setVisible(False)
@@ -123,7 +127,7 @@ class BlockMapWidget(QWidget):
         hdr = self.table.horizontalHeader()
         # fixed widths: ResizeToContents re-measures every row on every cell change (slow)
         hdr.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for i, width in enumerate((40, 56, 46, 36, 36, 44), start=1):
+        for i, width in enumerate((40, 56, 46, 36, 36, 44, 64), start=1):
             hdr.setSectionResizeMode(i, QHeaderView.ResizeMode.Fixed)
             hdr.resizeSection(i, width)
         self.table.itemSelectionChanged.connect(self._on_table_selection)
@@ -278,7 +282,8 @@ class BlockMapWidget(QWidget):
         reqs = [r for r in f.requests if r.status != "finished"]
         rows = [(r.request_id, origin_label(r.origin, r.request_id), r.status,
                  str(r.num_prompt_tokens), str(r.num_cached_tokens),
-                 str(r.num_generated_tokens), str(len(r.live_blocks()))) for r in reqs]
+                 str(r.num_generated_tokens), str(len(r.live_blocks())), constraint_label(r))
+                for r in reqs]
         now = time.monotonic()
         # each QTableWidgetItem.setText re-lays the table out: only changed cells, at most 4 Hz
         if rows == self._rows or (now - self._table_time < 0.25 and
@@ -298,6 +303,8 @@ class BlockMapWidget(QWidget):
                     item = QTableWidgetItem()
                     self.table.setItem(row, col, item)
                 item.setText(v)
+                if col == len(vals) - 1:
+                    item.setToolTip(constraint_tooltip(reqs[row]))
                 if col == 0:
                     slot = self._slots.get(v)
                     if slot is not None:
@@ -316,23 +323,8 @@ class BlockMapWidget(QWidget):
             self.block_table.clear()
             return
         live = next((r for r in f.requests if r.request_id == rid), None)
-        if live is not None:
-            table, title = live.block_table, f"{rid} ({live.status})"
-        else:
-            # in block-table order (a table holds each block once)
-            table = [b for b in self.remembered.get(rid, ([], []))[0]
-                     if b in self.highlight_blocks]
-            title = f"{rid} (finished: {len(table)} blocks still cached)"
-        lines = [title, "logical→physical  fill  ref  hash      state"]
-        groups = live.group_tables if live is not None else []
-        if groups:
-            lines.insert(1, "full-attention layers")
-        lines += _table_lines(f, table)
-        for g, group_table in enumerate(groups, 1):
-            released = sum(1 for b in group_table if b < 0)
-            lines.append(f"sliding-window group {g}: {released} blocks released (left the window)")
-            lines += _table_lines(f, group_table)
-        text = "\n".join(lines)
+        remembered = self.remembered.get(rid, ([], []))[0]
+        text = detail_text(f, rid, live, remembered, self.highlight_blocks, self.vocab_size)
         if text != self.block_table.toPlainText():
             self.block_table.setPlainText(text)
 
@@ -354,7 +346,7 @@ class BlockMapWidget(QWidget):
     def tooltip_text(self, b: int) -> str:
         f = self.frame
         assert f is not None and 0 <= b < f.num_blocks
-        state = _state_name(f, b, STATE_NAMES)
+        state = state_name(f, b, STATE_NAMES)
         owners = self._owners.get(b, [])
         if owners:  # hover only: look the origins up here rather than on every redraw
             origins = {r.request_id: origin_label(r.origin, r.request_id) for r in f.requests
@@ -385,19 +377,3 @@ class BlockMapWidget(QWidget):
         rid = self.table.item(rows[0].row(), 0).text() if rows else ""
         self.highlight_request(rid or None)
         self.request_selected.emit(rid)
-
-
-def _state_name(f: Frame, b: int, names: dict[int, str]) -> str:
-    if f.state[b] == BLOCK_IN_USE and f.ref_count[b] > 1:
-        return "shared"
-    return names.get(int(f.state[b]), "?")
-
-
-def _table_lines(f: Frame, table: list[int]) -> list[str]:
-    lines = []
-    for i, b in enumerate(table):
-        if 0 <= b < f.num_blocks:
-            st = _state_name(f, b, SHORT_STATE_NAMES)
-            lines.append(f"{i:5d} → {b:<8d}  {int(f.filled[b]):>2d}/{f.block_size:<2d}"
-                         f" {int(f.ref_count[b]):>3d}  {int(f.short_hash[b]):08x}  {st}")
-    return lines

@@ -134,6 +134,8 @@ class EngineLifecycle(QObject):
         w.welcome = welcome
         w.status.hide_progress()
         w.status.show_engine(welcome.model)
+        w.block_map.vocab_size = welcome.model.vocab_size
+        w.chat.reasoning_open = welcome.model.reasoning_parser == "think_open"
         w.chat.model_name = welcome.model.name  # conversations record the model they ran on
         w.status.show_tiers({})
         w.remote.set_controls_remote(None)

@@ -134,6 +134,7 @@ class RemoteWatch(QObject):
         elif per_block:
             w.welcome = info.welcome
             w.status.show_engine(info.welcome.model)
+            w.block_map.vocab_size = info.welcome.model.vocab_size
             label = w.status.model_label
             label.setText(f"{label.text()} · KVScope at {info.url}")
             w.controls.show_config(config_dict(info.welcome.config))

@@ -9,7 +9,7 @@ ends and how to read one; `ToolStream` turns a choice's content text into events
   region that reads as calls becomes calls: a malformed or truncated one comes back as content,
   exactly the text the model wrote (nothing is lost, nothing raises).
 
-Because a region is read whole, a streamed call arrives as its ToolCallStart (id, name) then its
+Because a region is read whole, a streamed call arrives as its start (id, name) then its
 arguments; the events equal those of reading the whole text at once, wherever it is split.
 """
 
@@ -21,7 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.api.chat_output import ChoiceEvent, ContentDelta, ToolCallArguments, ToolCallStart
+# What ToolStream emits (app/api/chat_output.py's ChoiceReader turns these into its events;
+# plain tuples, so that the parsers do not import the module that uses them):
+# ("content", text) | ("start", index, call id, name) | ("arguments", index, text)
+ToolEvent = tuple[Any, ...]
 
 
 @dataclass(slots=True)
@@ -100,7 +103,7 @@ class Family:
 
 
 class ToolStream:
-    """One choice's content -> ContentDelta / ToolCallStart / ToolCallArguments events."""
+    """One choice's content -> content, call start and call arguments events (ToolEvent)."""
 
     def __init__(self, family: Family, first_index: int = 0) -> None:
         self.family = family
@@ -110,17 +113,17 @@ class ToolStream:
         self._region: str | None = None  # the region being read, markers included
         self._at_start = True  # nothing but blanks seen yet (for `leading`)
 
-    def feed(self, text: str) -> list[ChoiceEvent]:
+    def feed(self, text: str) -> list[ToolEvent]:
         self._buf += text
         return self._drain(final=False)
 
-    def finish(self) -> list[ChoiceEvent]:
+    def finish(self) -> list[ToolEvent]:
         return self._drain(final=True)
 
     # ------------------------------------------------------------------
 
-    def _drain(self, final: bool) -> list[ChoiceEvent]:
-        out: list[ChoiceEvent] = []
+    def _drain(self, final: bool) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
         fam = self.family
         while True:
             if self._region is not None:
@@ -142,7 +145,7 @@ class ToolStream:
                 stripped = self._buf.lstrip()
                 if not stripped:
                     if final and self._buf:
-                        out.append(ContentDelta(self._buf))
+                        out.append(("content", self._buf))
                         self._buf = ""
                     return out  # only blanks so far: the region may still start
                 self._at_start = False
@@ -152,7 +155,7 @@ class ToolStream:
             at, marker = self._find_marker(self._buf)
             if at >= 0:
                 if at:
-                    out.append(ContentDelta(self._buf[:at]))
+                    out.append(("content", self._buf[:at]))
                 self._at_start = False
                 self._region, self._buf = self._buf[at:], ""
                 continue
@@ -160,7 +163,7 @@ class ToolStream:
             text = self._buf[: len(self._buf) - keep]
             self._buf = self._buf[len(self._buf) - keep :]
             if text:
-                out.append(ContentDelta(text))
+                out.append(("content", text))
                 if text.strip():
                     self._at_start = False
             return out
@@ -173,16 +176,16 @@ class ToolStream:
                 best, which = i, m
         return best, which
 
-    def _close(self, region: str) -> list[ChoiceEvent]:
+    def _close(self, region: str) -> list[ToolEvent]:
         calls = self.family.read(region)
         if not calls:
-            return [ContentDelta(region)]  # not calls after all: the model's text, as it was
-        out: list[ChoiceEvent] = []
+            return [("content", region)]  # not calls after all: the model's text, as it was
+        out: list[ToolEvent] = []
         for call in calls:
             call_id = new_call_id()
             self.calls.append((call_id, call))
-            out.append(ToolCallStart(self.next_index, call_id, call.name))
-            out.append(ToolCallArguments(self.next_index, call.arguments))
+            out.append(("start", self.next_index, call_id, call.name))
+            out.append(("arguments", self.next_index, call.arguments))
             self.next_index += 1
         return out
 

@@ -8,7 +8,8 @@ from PySide6.QtCore import Qt
 from app.conversations import ConversationStore
 from app.settings import SamplingDefaults
 from ipc import protocol as P
-from ui.chat.panel import ChatPanel, format_stats
+from ui.chat.message_view import format_stats
+from ui.chat.panel import ChatPanel
 
 
 def _panel(qtbot, tmp_path) -> tuple[ChatPanel, list, list]:

@@ -1,0 +1,142 @@
+"""One turn of the transcript: role, text, a reply's thinking block and its stats line."""
+
+from __future__ import annotations
+
+import math
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QFrame, QLabel, QSizePolicy, QToolButton, QVBoxLayout, QWidget
+
+from app.conversations import Message
+from ui import theme
+from ui.chat.thinking import split_thinking
+
+ROLE_STYLE = {
+    "user": ("You", "#2a3342"),
+    "assistant": ("Assistant", "#23272f"),
+}
+
+
+def format_stats(stats: dict) -> str:
+    """'TTFT 120 ms · 31.2 tok/s · prompt 45 / cached 32 / generated 100 · stop'."""
+    if not stats:
+        return ""
+    parts = []
+    ttft = stats.get("ttft")
+    if isinstance(ttft, int | float) and math.isfinite(ttft):
+        parts.append(f"TTFT {ttft * 1000:.0f} ms")
+    tps = stats.get("tok_s")
+    if isinstance(tps, int | float) and math.isfinite(tps):
+        parts.append(f"{tps:.1f} tok/s")
+    if "prompt_tokens" in stats:
+        cached = stats.get("cached_tokens", 0)
+        # a server over HTTP may not report cached tokens: say nothing rather than 0
+        parts.append(f"prompt {stats['prompt_tokens']}"
+                     + (f" / cached {cached}" if cached is not None else "")
+                     + f" / generated {stats.get('completion_tokens', 0)}")
+    if stats.get("finish_reason"):
+        parts.append(str(stats["finish_reason"]))
+    if stats.get("error"):
+        parts.append(str(stats["error"]))
+    return " · ".join(parts)
+
+
+def thinking_title(stats: dict, thinking_now: bool) -> str:
+    """'Thinking… 42 tokens' while it thinks; 'Thought for 3.1 s · 120 tokens' after."""
+    n = stats.get("thinking_tokens")
+    tokens = f"{n} token{'s' if n != 1 else ''}" if isinstance(n, int) else ""
+    if thinking_now:
+        return "Thinking…" + (f" {tokens}" if tokens else "")
+    seconds = stats.get("thinking_s")
+    parts = [f"Thought for {seconds:.1f} s" if isinstance(seconds, int | float) else "Thought"]
+    if tokens:
+        parts.append(tokens)
+    return " · ".join(parts)
+
+
+class MessageView(QFrame):
+    """One turn: role header, (replies) a collapsible dimmed thinking block, the text, and (for
+    replies) the stats line. The block is open while the model thinks and closes once when the
+    answer starts; the user may open it again."""
+
+    def __init__(self, msg: Message, parent: QWidget | None = None,
+                 thinking_opens_reply: bool = False) -> None:  # fmt: skip
+        super().__init__(parent)
+        self.msg = msg
+        self.thinking_opens_reply = thinking_opens_reply  # the prompt opened <think> already
+        self._closed_once = False
+        name, bg = ROLE_STYLE.get(msg.role, (msg.role, "#23272f"))
+        self.setObjectName("msg")
+        self.setStyleSheet(f"QFrame#msg {{ background: {bg}; border-radius: 6px; }}")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(10, 6, 10, 6)
+        lay.setSpacing(2)
+        head = QLabel(name)
+        head.setStyleSheet(f"color: {theme.ACCENT if msg.role == 'user' else '#9fd39f'};"
+                           "font-weight: bold;")
+        self.think_toggle = QToolButton()
+        self.think_toggle.setCheckable(True)
+        self.think_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.think_toggle.setAutoRaise(True)
+        self.think_toggle.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
+        self.think_toggle.toggled.connect(self._on_think_toggled)
+        self.think_text = QLabel()
+        self.think_text.setTextFormat(Qt.TextFormat.PlainText)
+        self.think_text.setWordWrap(True)
+        self.think_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.think_text.setStyleSheet(
+            f"color: {theme.MUTED}; font-style: italic; border-left: 2px solid {theme.MUTED};"
+            " padding-left: 6px;")
+        self.text = QLabel()
+        self.text.setTextFormat(Qt.TextFormat.PlainText)
+        self.text.setWordWrap(True)
+        self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.text.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
+        self.stats = QLabel()
+        self.stats.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
+        self.stats.setWordWrap(True)
+        lay.addWidget(head)
+        lay.addWidget(self.think_toggle)
+        lay.addWidget(self.think_text)
+        lay.addWidget(self.text)
+        lay.addWidget(self.stats)
+        self.think_toggle.setVisible(False)
+        self.think_text.setVisible(False)
+        self.refresh()
+
+    def refresh(self, streaming: bool = False) -> None:
+        if self.msg.role == "assistant":
+            split = split_thinking(self.msg.content, self.thinking_opens_reply)
+            answer = split.answer
+            self._show_thinking(split.reasoning, split.thinking, streaming)
+        else:
+            answer = self.msg.content  # user text stays literal
+        self.text.setText(answer + (" ▍" if streaming else ""))
+        self.text.setVisible(bool(answer) or (streaming and not self.think_toggle.isChecked()))
+        line = format_stats(self.msg.stats)
+        if self.msg.interrupted:
+            why = self.msg.stats.get("interrupted_by", "interrupted")
+            line = (line + " · " if line else "") + f"⚠ {why}"
+            self.stats.setStyleSheet("color: #ff8a80; font-size: 8pt;")
+        self.stats.setText(line)
+        self.stats.setVisible(self.msg.role == "assistant" and bool(line))
+
+    def _show_thinking(self, reasoning: str | None, open_block: bool, streaming: bool) -> None:
+        thinking_now = open_block and streaming
+        if reasoning is None:
+            self.think_toggle.setVisible(False)
+            self.think_text.setVisible(False)
+            return
+        self.think_toggle.setVisible(True)
+        self.think_toggle.setText(thinking_title(self.msg.stats, thinking_now))
+        self.think_text.setText(reasoning)
+        if thinking_now and not self._closed_once:
+            self.think_toggle.setChecked(True)
+        elif not open_block and not self._closed_once:
+            self._closed_once = True  # the answer started (or the reply was loaded): close once
+            self.think_toggle.setChecked(False)
+        self._on_think_toggled(self.think_toggle.isChecked())
+
+    def _on_think_toggled(self, open_: bool) -> None:
+        self.think_toggle.setArrowType(Qt.ArrowType.DownArrow if open_ else Qt.ArrowType.RightArrow)
+        self.think_text.setVisible(open_ and not self.think_toggle.isHidden())

@@ -1,0 +1,56 @@
+"""The block map's detail pane: a selected request's block tables (logical -> physical, per
+KV group) and what its grammar allowed, as monospaced text."""
+
+from __future__ import annotations
+
+from ui.kv.constraints import allowed_tokens_lines
+from ui.telemetry import BLOCK_CACHED, BLOCK_EMPTY, BLOCK_IN_USE, Frame, RequestView
+
+STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached (evictable)", BLOCK_IN_USE: "in use"}
+SHORT_STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_CACHED: "cached", BLOCK_IN_USE: "in use"}
+
+
+def detail_text(
+    f: Frame,
+    rid: str,
+    live: RequestView | None,
+    remembered_table: list[int],
+    still_cached: set[int],
+    vocab_size: int,
+) -> str:
+    """`live`: the request in this frame (None once finished: then the blocks of its
+    remembered table that still hold its prefix, `still_cached`)."""
+    if live is not None:
+        table, title = live.block_table, f"{rid} ({live.status})"
+    else:
+        # in block-table order (a table holds each block once)
+        table = [b for b in remembered_table if b in still_cached]
+        title = f"{rid} (finished: {len(table)} blocks still cached)"
+    lines = [title, "logical→physical  fill  ref  hash      state"]
+    groups = live.group_tables if live is not None else []
+    if groups:
+        lines.insert(1, "full-attention layers")
+    lines += table_lines(f, table)
+    for g, group_table in enumerate(groups, 1):
+        released = sum(1 for b in group_table if b < 0)
+        lines.append(f"sliding-window group {g}: {released} blocks released (left the window)")
+        lines += table_lines(f, group_table)
+    if live is not None:
+        lines += allowed_tokens_lines(live, vocab_size)
+    return "\n".join(lines)
+
+
+def state_name(f: Frame, b: int, names: dict[int, str]) -> str:
+    if f.state[b] == BLOCK_IN_USE and f.ref_count[b] > 1:
+        return "shared"
+    return names.get(int(f.state[b]), "?")
+
+
+def table_lines(f: Frame, table: list[int]) -> list[str]:
+    lines = []
+    for i, b in enumerate(table):
+        if 0 <= b < f.num_blocks:
+            st = state_name(f, b, SHORT_STATE_NAMES)
+            lines.append(f"{i:5d} → {b:<8d}  {int(f.filled[b]):>2d}/{f.block_size:<2d}"
+                         f" {int(f.ref_count[b]):>3d}  {int(f.short_hash[b]):08x}  {st}")
+    return lines
