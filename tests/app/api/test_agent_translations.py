@@ -514,3 +514,25 @@ def test_a_thinking_reply_with_a_call_through_both_apis() -> None:
     assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
     assert message.content[2].input == {"city": "Paris"} and message.stop_reason == "tool_use"
     assert enc.body(res)["content"][2]["input"] == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(("thinking", "is_open"), [({"type": "enabled", "budget_tokens": 8}, True),
+                                                   ({"type": "disabled"}, False), (None, True)])
+def test_anthropic_thinking_reaches_the_template_and_the_reader(thinking, is_open) -> None:
+    """Under a template whose generation prompt opens <think> (ModelInfo.reasoning_parser
+    "think_open"), thinking off makes the template close it and the reader start outside."""
+    from types import SimpleNamespace
+
+    from app.api.tools.request import apply_model
+
+    body = {"max_tokens": 20, "messages": USER, **({"thinking": thinking} if thinking else {})}
+    plan = parse_messages(body, LIMITS).plan
+    apply_model(plan, SimpleNamespace(tool_parser="", reasoning_parser="think_open"), None)
+    assert plan.reasoning and plan.reasoning_open is is_open
+    events, res = _read(plan, ["Hmm.", "</think>", "Yes."] if is_open else ["Yes."])
+    assert (res.output.reasoning, res.output.content) == (("Hmm.", "Yes.") if is_open
+                                                          else (None, "Yes."))  # fmt: skip
+    _, message = _anthropic_events((enc := MessagesEncoder("m")).begin() + enc.events(events)
+                                   + enc.end(res))  # fmt: skip
+    kinds = [b.type for b in message.content]
+    assert kinds == (["thinking", "text"] if is_open else ["text"])
