@@ -141,6 +141,25 @@ def test_messages_stop_sequence_is_named(sdk, claude) -> None:
     assert got.content[0].text == text[: text.find(stop)]
 
 
+def test_a_client_leaving_mid_stream_aborts_its_request(server) -> None:
+    """Both APIs' streams end their engine request when the client goes (its KV blocks are
+    freed): the engine counts an abort per stream and returns to idle."""
+    from tests.app.api.test_server import _idle, _wait_metrics
+
+    aborts = 'kvscope:request_success_total{finished_reason=abort}'
+    before = _wait_metrics(server, _idle)[aborts]
+    bodies = [("/v1/responses", {"input": PROMPT, "max_output_tokens": 400, "stream": True}),
+              ("/v1/messages", {"max_tokens": 400, "stream": True,
+                                "messages": [{"role": "user", "content": PROMPT}]})]  # fmt: skip
+    for path, body in bodies:
+        with httpx.stream("POST", server.url + path, json=body, headers=AUTH, timeout=60) as r:
+            lines = r.iter_lines()
+            while "delta" not in next(lines):  # leave once the first token arrived
+                pass
+    m = _wait_metrics(server, lambda m: _idle(m) and m[aborts] == before + 2)
+    assert _idle(m) and m[aborts] == before + 2
+
+
 # ------------------------------------------------------------------ bad input
 
 
