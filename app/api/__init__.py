@@ -13,8 +13,8 @@ the ZeroMQ protocol like every other client, and never imports torch or Qt:
                   and streamed; reasoning.py the <think> split; tools/ the tool fields of a
                   request (request.py), the families' parsers, the forced-choice schema
     openai_responses.py, anthropic_messages.py  the Responses and Messages APIs' requests ->
-                  chat plans (through chat_body.py) and their replies; responses_stream.py,
-                  messages_stream.py their stream events; agent_runs.py drives one chat choice
+                  chat plans (through chat_body.py); responses_stream.py, messages_stream.py
+                  their replies, whole and streamed; agent_runs.py drives one chat choice
                   through either
     metrics.py    telemetry snapshots -> Prometheus text (vLLM's names, `kvscope:` prefix)
     server.py     the ASGI app: routes, limits, disconnects

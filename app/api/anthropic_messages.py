@@ -19,15 +19,12 @@ Errors are Anthropic's: {"type": "error", "error": {"type": "invalid_request_err
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from app.api.agent_runs import ChoiceResult
 from app.api.chat_body import ChatBody, check_known, expect_choice, expect_object, expect_str
-from app.api.chat_output import ChoiceOutput
 from app.api.errors import APIError, bad_request
 from app.api.requests import GenerationPlan, Limits
 
@@ -51,7 +48,6 @@ ERROR_TYPES = {
     404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
 }  # fmt: skip
-STOP_REASONS = {"length": "max_tokens"}
 
 
 @dataclass(slots=True)
@@ -285,72 +281,7 @@ def _output_config(config: Any, chat: ChatBody) -> None:
                                                         "schema": fmt.get("schema")}}  # fmt: skip
 
 
-# ------------------------------------------------------------------ the reply
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
-def tool_use_id(call_id: str) -> str:
-    """Chat's call ids ("call_…") in Anthropic's spelling ("toolu_…"); any id round-trips."""
-    return "toolu_" + call_id.removeprefix("call_")
-
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    try:
-        parsed = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
-        parsed = None
-    # the reader hands over whole calls only; a non-object is a bug worth seeing, not hiding
-    if not isinstance(parsed, dict):
-        raise APIError(500, f"the model's tool call arguments are not a JSON object: "
-                       f"{arguments[:200]!r}", code="bad_tool_call")  # fmt: skip
-    return parsed
-
-
-def stop_reason(result: ChoiceResult) -> str:
-    if result.output.tool_calls:
-        return "tool_use"
-    if result.stop_sequence is not None:
-        return "stop_sequence"
-    return STOP_REASONS.get(result.finish_reason, "end_turn")
-
-
-def usage_of(result: ChoiceResult) -> dict[str, Any]:
-    """Anthropic counts cache reads apart: input_tokens are the prompt tokens computed anew."""
-    return {
-        "input_tokens": result.prompt_tokens - result.cached_tokens,
-        "output_tokens": result.completion_tokens,
-        "cache_read_input_tokens": result.cached_tokens,
-        "cache_creation_input_tokens": 0,
-    }
-
-
-def content_blocks(output: ChoiceOutput) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = []
-    if output.reasoning is not None:
-        blocks.append({"type": "thinking", "thinking": output.reasoning, "signature": ""})
-    if output.content or not output.tool_calls:
-        blocks.append({"type": "text", "text": output.content})
-    for call in output.tool_calls:
-        blocks.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
-                       "input": tool_input(call.arguments)})  # fmt: skip
-    return blocks
-
-
-def message_object(
-    message_id: str, model: str, content: list[dict[str, Any]], stop: str | None,
-    stop_sequence: str | None, usage: dict[str, Any],
-) -> dict[str, Any]:  # fmt: skip
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": stop, "stop_sequence": stop_sequence,
-            "usage": usage}  # fmt: skip
-
-
-def whole_message(message_id: str, model: str, result: ChoiceResult) -> dict[str, Any]:
-    return message_object(message_id, model, content_blocks(result.output), stop_reason(result),
-                          result.stop_sequence, usage_of(result))  # fmt: skip
+# ------------------------------------------------------------------ errors
 
 
 def error_body(exc: APIError) -> dict[str, Any]:

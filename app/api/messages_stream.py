@@ -17,28 +17,96 @@ Anthropic's shape, and the stream ends.
 
 from __future__ import annotations
 
+import json
+import uuid
 from typing import Any
 
 import msgspec
 
 from app.api.agent_runs import ChoiceResult
-from app.api.anthropic_messages import (
-    error_body,
-    message_object,
-    new_id,
-    stop_reason,
-    tool_use_id,
-    usage_of,
-    whole_message,
-)
+from app.api.anthropic_messages import error_body
 from app.api.chat_output import (
     ChoiceEvent,
+    ChoiceOutput,
     ContentDelta,
     ReasoningDelta,
     ToolCallArguments,
     ToolCallStart,
 )
 from app.api.errors import APIError
+
+STOP_REASONS = {"length": "max_tokens"}  # the engine's finish reasons in Anthropic's words
+
+
+# ------------------------------------------------------------------ the whole reply
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def tool_use_id(call_id: str) -> str:
+    """Chat's call ids ("call_…") in Anthropic's spelling ("toolu_…"); any id round-trips."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        parsed = None
+    # the reader hands over whole calls only; a non-object is a bug worth seeing, not hiding
+    if not isinstance(parsed, dict):
+        raise APIError(500, f"the model's tool call arguments are not a JSON object: "
+                       f"{arguments[:200]!r}", code="bad_tool_call")  # fmt: skip
+    return parsed
+
+
+def stop_reason(result: ChoiceResult) -> str:
+    if result.output.tool_calls:
+        return "tool_use"
+    if result.stop_sequence is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(result.finish_reason, "end_turn")
+
+
+def usage_of(result: ChoiceResult) -> dict[str, Any]:
+    """Anthropic counts cache reads apart: input_tokens are the prompt tokens computed anew."""
+    return {
+        "input_tokens": result.prompt_tokens - result.cached_tokens,
+        "output_tokens": result.completion_tokens,
+        "cache_read_input_tokens": result.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def content_blocks(output: ChoiceOutput) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if output.reasoning is not None:
+        blocks.append({"type": "thinking", "thinking": output.reasoning, "signature": ""})
+    if output.content or not output.tool_calls:
+        blocks.append({"type": "text", "text": output.content})
+    for call in output.tool_calls:
+        blocks.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
+                       "input": tool_input(call.arguments)})  # fmt: skip
+    return blocks
+
+
+def message_object(
+    message_id: str, model: str, content: list[dict[str, Any]], stop: str | None,
+    stop_sequence: str | None, usage: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": stop, "stop_sequence": stop_sequence,
+            "usage": usage}  # fmt: skip
+
+
+def whole_message(message_id: str, model: str, result: ChoiceResult) -> dict[str, Any]:
+    return message_object(message_id, model, content_blocks(result.output), stop_reason(result),
+                          result.stop_sequence, usage_of(result))  # fmt: skip
+
+
+# ------------------------------------------------------------------ the stream
 
 
 def event_bytes(kind: str, obj: dict[str, Any]) -> bytes:

@@ -16,12 +16,9 @@ stateless client sends back, and no summary.
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.api.agent_runs import ChoiceResult
 from app.api.chat_body import (
     ChatBody,
     check_known,
@@ -30,7 +27,6 @@ from app.api.chat_body import (
     expect_str,
     refuse_fields,
 )
-from app.api.chat_output import ChoiceOutput
 from app.api.errors import bad_request
 from app.api.requests import GenerationPlan, Limits
 
@@ -330,92 +326,3 @@ def _text(text: dict[str, Any], chat: ChatBody) -> None:
     else:
         check_known(fmt, {"type"}, "text.format")
         chat.body["response_format"] = {"type": kind}
-
-
-# ------------------------------------------------------------------ the reply
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def usage_of(result: ChoiceResult) -> dict[str, Any]:
-    return {
-        "input_tokens": result.prompt_tokens,
-        # the prefix cache writes no separately billed tokens: cache_write_tokens is always 0
-        "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": result.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": result.output.reasoning_tokens},
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-    }
-
-
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": status}  # fmt: skip
-
-
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [text_part(text)]}  # fmt: skip
-
-
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}  # fmt: skip
-
-
-def output_items(output: ChoiceOutput, incomplete: bool) -> list[dict[str, Any]]:
-    """A finished choice's output items: its reasoning, its text, its calls (in that order)."""
-    items = []
-    status = "incomplete" if incomplete else "completed"
-    if output.reasoning is not None:
-        items.append(reasoning_item(new_id("rs"), output.reasoning, "completed"))
-    if output.content or not output.tool_calls:
-        items.append(message_item(new_id("msg"), output.content, status))
-    for call in output.tool_calls:
-        items.append(call_item(new_id("fc"), call.id, call.name, call.arguments, "completed"))
-    return items
-
-
-def response_object(
-    call: ResponsesCall,
-    response_id: str,
-    model: str,
-    created: int,
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created,
-        "status": status,
-        "background": False,
-        "error": error,
-        "incomplete_details": incomplete,
-        "model": model,
-        "output": output,
-        "previous_response_id": None,
-        "store": False,
-        "truncation": "disabled",
-        "usage": usage,
-        **call.echo,
-        **({"completed_at": int(time.time())} if status == "completed" else {}),
-    }
-
-
-def whole_response(
-    call: ResponsesCall, response_id: str, model: str, created: int, result: ChoiceResult
-) -> dict[str, Any]:
-    incomplete = result.finish_reason == "length"
-    return response_object(call, response_id, model, created,
-                           "incomplete" if incomplete else "completed",
-                           output_items(result.output, incomplete), usage_of(result))  # fmt: skip
