@@ -43,6 +43,8 @@ REFUSED = {
 RENAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
            "reasoning_effort": "output_config.effort",
            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}  # fmt: skip
+SUFFIXES = {".function.parameters": ".input_schema", ".function.": ".",
+            ".tool_call_id": ".tool_use_id"}  # fmt: skip
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
@@ -63,7 +65,7 @@ def parse_messages(body: Any, limits: Limits) -> MessagesCall:
     check_known(body, ACCEPTED)
     if body.get("max_tokens") is None:
         raise bad_request("max_tokens is required (an integer >= 1)", "max_tokens")
-    chat = ChatBody(renames=RENAMES)
+    chat = ChatBody(renames=RENAMES, suffixes=SUFFIXES)
     for name in ("model", "max_tokens", "top_p", "top_k", "stream"):
         if body.get(name) is not None:
             chat.body[name] = body[name]

@@ -27,6 +27,8 @@ class ChatBody:
     message_sources: list[str] = field(default_factory=list)  # chat message i <- this path
     tool_sources: list[str] = field(default_factory=list)  # chat tool i <- this path
     renames: dict[str, str] = field(default_factory=dict)  # chat field -> the API's field
+    # chat's nested paths -> the API's, in order (".function.parameters" -> ".input_schema")
+    suffixes: dict[str, str] = field(default_factory=dict)
 
     def add_message(self, message: dict[str, Any], source: str) -> dict[str, Any]:
         self.body.setdefault("messages", []).append(message)
@@ -51,6 +53,8 @@ class ChatBody:
                 return sources[i] if i < len(sources) else m[0]
 
             text = _INDEXED.sub(one, text)
+            for old, new in self.suffixes.items():
+                text = text.replace(old, new)
             for old, new in self.renames.items():
                 text = re.sub(rf"(?<![\w.]){re.escape(old)}\b", new, text)
             return text

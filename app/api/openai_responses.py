@@ -60,6 +60,7 @@ RENAMES = {
     "reasoning_effort": "reasoning.effort",
     "messages": "input",
 }
+SUFFIXES = {".function.": ".", ".tool_call_id": ".call_id"}  # Responses' tools are flat
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesCall:
         raise bad_request("store: true is not supported: " + STATELESS + "; send store: false "
                           "or leave it out", "store", "unsupported_parameter")  # fmt: skip
     check_known({k: v for k, v in body.items() if k not in REFUSED}, ACCEPTED)
-    chat = ChatBody(renames=RENAMES)
+    chat = ChatBody(renames=RENAMES, suffixes=SUFFIXES)
     for name in ("model", "temperature", "top_p", "stream", "parallel_tool_calls"):
         if body.get(name) is not None:
             chat.body[name] = body[name]

@@ -164,6 +164,10 @@ def test_responses_allowed_tools_narrow_the_tools(monkeypatch) -> None:
         ({"input": "hi", "reasoning": {"effort": "low", "budget": 3}}, "reasoning.budget",
          "unknown"),
         ({"input": "hi", "stream_options": {}}, "stream_options", "stream: true"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name",
+         "tools[0].name must be 1-64 letters"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": []}]},
+         "tools[0].parameters", "JSON schema"),
     ],
 )  # fmt: skip
 def test_responses_bad_requests_name_their_field(body, param, words) -> None:
@@ -352,6 +356,11 @@ USER = [{"role": "user", "content": "hi"}]
         ({"max_tokens": 5, "messages": USER, "stop_sequence": ["x"]}, "stop_sequence",
          "unknown"),
         ({"max_tokens": 5, "messages": USER, "system": 3}, "system", "string"),
+        ({"max_tokens": 5, "messages": USER, "tools": [{"input_schema": WEATHER}]},
+         "tools[0].name", "tools[0].name must be"),
+        ({"max_tokens": 5, "messages": USER, "tools": [{"name": "f",
+                                                        "input_schema": {"type": "array"}}]},
+         "tools[0].input_schema", "tools[0].input_schema must be a JSON schema"),
     ],
 )  # fmt: skip
 def test_messages_bad_requests_name_their_field(body, param, words) -> None:
