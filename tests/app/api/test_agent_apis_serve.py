@@ -255,7 +255,7 @@ def test_openai_agents_sdk_tool_round_trip(server, kind) -> None:
     behaviour = "stop_on_first_tool" if kind == "responses" else "run_llm_again"
     agent = A.Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
                     model=model, tool_use_behavior=behaviour,
-                    model_settings=A.ModelSettings(tool_choice="required", max_tokens=256,
+                    model_settings=A.ModelSettings(tool_choice="required", max_tokens=96,
                                                    temperature=0, parallel_tool_calls=False))
     # (parallel calls are an unbounded JSON array: a random model fills it to max_tokens)
     result = asyncio.run(A.Runner.run(agent, "Weather in Paris?", max_turns=3,
