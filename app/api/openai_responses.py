@@ -27,7 +27,7 @@ from app.api.chat_body import (
     expect_str,
     refuse_fields,
 )
-from app.api.errors import bad_request
+from app.api.errors import APIError, bad_request
 from app.api.requests import GenerationPlan, Limits
 
 ACCEPTED = frozenset({
@@ -127,6 +127,23 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesCall:
         "user": body.get("user"),
     }
     return ResponsesCall(plan=plan, echo=echo)
+
+
+def parse_input_tokens(body: Any, limits: Limits) -> ResponsesCall:
+    """`POST /v1/responses/input_tokens`: a Responses body (nothing is generated); the plan's
+    messages, tools and template arguments are what gets counted."""
+    body = expect_object(body, "body", "a JSON object")
+    for name in ("max_output_tokens", "stream"):
+        if name in body:
+            raise bad_request(f"unknown field `{name}` (input_tokens generates nothing)", name,
+                              "unknown_parameter")  # fmt: skip
+    return parse_responses(body, limits)
+
+
+def not_stored(response_id: str) -> APIError:
+    """Every route about a stored response (retrieve, delete, cancel, input items)."""
+    return APIError(404, f"no response {response_id!r}: {STATELESS}", param="response_id",
+                    code="response_not_found")  # fmt: skip
 
 
 # ------------------------------------------------------------------ request pieces

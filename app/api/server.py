@@ -17,19 +17,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api import agent_runs
+from app.api import agent_routes, agent_runs
 from app.api import requests as R
 from app.api.agent_runs import APIEncoder, ChoiceRun
-from app.api.anthropic_messages import error_response as anthropic_error
-from app.api.anthropic_messages import parse_count_tokens, parse_messages
 from app.api.errors import APIError, error_body
-from app.api.generation import Generation, api_error_of, rendered_tools
+from app.api.generation import Generation, api_error_of
 from app.api.guard import GuardMiddleware, read_json
-from app.api.messages_stream import MessagesEncoder
 from app.api.metrics import render as render_metrics
-from app.api.openai_responses import parse_responses
 from app.api.responses import Reply
-from app.api.responses_stream import ResponsesEncoder
 from app.api.settings import ServerSettings
 from app.api.streaming import SSEResponse, first_events, stream_chunks, wait_disconnect
 from app.api.tools.request import apply_model
@@ -195,46 +190,6 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
         plan = R.parse_completion(body, limits())
         return await run_plan(request, plan)
 
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        body = await read_json(request, settings.max_body_bytes)
-        link.ready_client()
-        call = parse_responses(body, limits())
-        apply_model(call.plan, link.model_info, settings.tool_call_parser)
-        return await run_plan(request, call.plan, lambda model: ResponsesEncoder(call, model))
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        try:  # every error in Anthropic's shape, whoever raises it
-            body = await read_json(request, settings.max_body_bytes)
-            link.ready_client()
-            call = parse_messages(body, limits())
-            apply_model(call.plan, link.model_info, settings.tool_call_parser)
-            return await run_plan(request, call.plan, MessagesEncoder)
-        except APIError as exc:
-            return anthropic_error(exc)
-        except Exception as exc:
-            log.exception("internal error on %s", request.url.path)
-            return anthropic_error(APIError(500, f"internal server error: {exc}"))
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        """Anthropic's prompt token count (Claude Code asks before long requests)."""
-        try:
-            body = await read_json(request, settings.max_body_bytes)
-            client = link.ready_client()
-            plan = parse_count_tokens(body, limits()).plan
-            R.check_model(plan.model or None, served_names())
-            apply_model(plan, link.model_info, settings.tool_call_parser)
-            try:
-                out = await client.tokenize(messages=plan.messages, tools=rendered_tools(plan),
-                                            chat_template_kwargs=plan.chat_template_kwargs)
-            except EngineError as exc:
-                raise api_error_of(exc) from None
-            return JSONResponse({"input_tokens": len(out.token_ids)})
-        except APIError as exc:
-            return anthropic_error(exc)
-
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await read_json(request, settings.max_body_bytes)
@@ -370,6 +325,9 @@ def create_app(settings: ServerSettings, link: EngineLink) -> FastAPI:
                 await gen.close()
                 app.state.in_flight -= 1
 
+    # the Responses and Messages APIs (app/api/agent_routes.py)
+    agent_routes.register(app, agent_routes.Serving(link, settings, limits, served_names,
+                                                    run_plan))  # fmt: skip
     return app
 
 

@@ -17,6 +17,7 @@ from typing import Literal
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from tests.app.api.helpers import API_KEY, MODEL
@@ -70,6 +71,11 @@ def test_responses_create_equals_chat_and_streaming_reassembles_it(sdk) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == got.output_text == events[-1].response.output_text
+    counted = sdk.responses.input_tokens.count(model=MODEL, instructions=SYSTEM, input=PROMPT)
+    assert counted.input_tokens == want.usage.prompt_tokens
+    # nothing is stored: retrieving the response is a 404 that says so
+    with pytest.raises(openai.NotFoundError, match="stateless"):
+        sdk.responses.retrieve(got.id)
 
 
 def test_responses_items_and_a_tool_result_turn_are_accepted(sdk) -> None:
