@@ -15,7 +15,7 @@ the ZeroMQ protocol like every other client, and never imports torch or Qt:
     openai_responses.py, anthropic_messages.py  the Responses and Messages APIs' requests ->
                   chat plans (through chat_body.py); responses_stream.py, messages_stream.py
                   their replies, whole and streamed; agent_runs.py drives one chat choice
-                  through either
+                  through either; agent_routes.py their routes
     metrics.py    telemetry snapshots -> Prometheus text (vLLM's names, `kvscope:` prefix)
     server.py     the ASGI app: routes, limits, disconnects
     keeper.py     the hold on the engine: spawn or attach, restart, reattach
