@@ -129,6 +129,10 @@ async def stream(
         log.info("stream of %s ended by an error: %s", gen.origin_id, exc.message)
         for chunk in encoder.failed(exc):
             yield chunk
+    except Exception as exc:  # a bug here: the client still gets an end it can read
+        log.exception("stream of %s failed", gen.origin_id)
+        for chunk in encoder.failed(APIError(500, f"internal server error: {exc}")):
+            yield chunk
 
 
 async def _finished(gen: Generation, run: ChoiceRun) -> ChoiceResult:

@@ -545,3 +545,29 @@ def test_anthropic_thinking_reaches_the_template_and_the_reader(thinking, is_ope
                                    + enc.end(res))  # fmt: skip
     kinds = [b.type for b in message.content]
     assert kinds == (["thinking", "text"] if is_open else ["text"])
+
+
+def test_a_bug_mid_stream_still_ends_the_stream_in_the_apis_shape() -> None:
+    import asyncio
+
+    from app.api.agent_runs import stream
+
+    class Broken:
+        def feed(self, text: str, num_tokens: int = 0) -> list:
+            raise RuntimeError("reader bug")
+
+    class OneDelta:  # a Generation whose engine sends one delta
+        origin_id = "x"
+
+        async def events(self):
+            yield 0, P.Delta(request_id="r", index=0, token_ids=[1], text="a", token_times=[0.0],
+                             time=0.0)  # fmt: skip
+
+    async def run() -> list[bytes]:
+        return [c async for c in stream(OneDelta(), ChoiceRun(Broken()), MessagesEncoder("m"),
+                                        [])]  # fmt: skip
+
+    events = sse_events(asyncio.run(run()))
+    assert [name for name, _ in events] == ["message_start", "error"]
+    assert events[-1][1]["error"] == {"type": "api_error",
+                                      "message": "internal server error: reader bug"}
