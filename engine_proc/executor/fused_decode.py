@@ -57,10 +57,9 @@ def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: 
 
 
 def architecture_unsupported_reason(config: ModelConfig) -> str | None:
-    """The fused C++ step computes Llama's layer (with Qwen2's q/k/v biases): what else a family
-    adds it cannot express yet, and those models decode eagerly."""
+    """The fused C++ step computes Llama's layer (with Qwen2's q/k/v biases and Qwen3's q/k head
+    norms): what else a family adds it cannot express yet, and those models decode eagerly."""
     features = [
-        (config.qk_norm, "q/k norms"),
         (config.has_sliding_layers, "sliding-window layers"),
         (config.sandwich_norms, "sandwich norms"),
         (config.hidden_act != "silu", f"a {config.hidden_act} MLP"),
@@ -195,7 +194,7 @@ def layer_tensors(
     strips: StripsOf | None = None,
     q8_products: tuple[str, ...] = (),
 ) -> list[torch.Tensor]:
-    """The 22 tensors per layer the C++ side reads, in its order, for ``kernel``; with
+    """The 24 tensors per layer the C++ side reads, in its order, for ``kernel``; with
     ``strips``, the codes of the ``q8_products`` (names from Q8_PRODUCTS) in the 8-bit-activation
     kernel's layout."""
     products = {
@@ -207,6 +206,11 @@ def layer_tensors(
     tensors = [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
     for name, (w, bias) in products.items():
         tensors += _linear(w, bias, kernel, strips if name in q8_products else None)
+    # Qwen3's per-head q/k RMSNorm weights [head_dim]; empty: none
+    none = torch.empty(0)
+    q_norm, k_norm = layer.q_norm, layer.k_norm
+    tensors += [none, none] if q_norm is None or k_norm is None else [
+        q_norm.float().contiguous(), k_norm.float().contiguous()]  # fmt: skip
     return tensors
 
 

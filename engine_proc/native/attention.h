@@ -298,16 +298,40 @@ inline void rope_store(const float* x, const float* cos, const float* sin, int64
   store_row(row, out, d);
 }
 
-// Rotary on the row's query heads and keys; the new K/V written at its slot (if any).
+// Qwen3's and Gemma 3's RMSNorm of every q and k head before rotary (weights [head_dim]);
+// q == nullptr: none (Llama, Qwen2).
+struct HeadNorms {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  float eps = 0.f;
+};
+
+// x [d] RMS-normalised times w into out (the eager path's F.rms_norm over one head).
+inline void head_rms_norm(const float* x, const float* w, int64_t d, float eps, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// Rotary on the row's query heads and keys (each normalised first where `norms` has weights);
+// the new K/V written at its slot (if any).
 template <typename T>
 void rope_and_write(const StepShape& s, const float* qkv_row, const float* cos, const float* sin,
-                    T* k_cache, T* v_cache, int64_t slot, float* q) {
+                    T* k_cache, T* v_cache, int64_t slot, float* q, const HeadNorms& norms) {
   const int64_t d = s.head_dim, slot_stride = s.kv_heads * d;
-  for (int64_t h = 0; h < s.heads; ++h) rope(qkv_row + h * d, cos, sin, d, q + h * d);
+  float normed[kMaxHeadDim];
+  for (int64_t h = 0; h < s.heads; ++h) {
+    const float* x = qkv_row + h * d;
+    if (norms.q != nullptr) x = (head_rms_norm(x, norms.q, d, norms.eps, normed), normed);
+    rope(x, cos, sin, d, q + h * d);
+  }
   if (slot < 0) return;
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const float* k_in = qkv_row + (s.heads + kvh) * d;
     const float* v_in = qkv_row + (s.heads + s.kv_heads + kvh) * d;
+    if (norms.k != nullptr) k_in = (head_rms_norm(k_in, norms.k, d, norms.eps, normed), normed);
     rope_store(k_in, cos, sin, d, k_cache + slot * slot_stride + kvh * d);
     store_row(v_in, v_cache + slot * slot_stride + kvh * d, d);
   }

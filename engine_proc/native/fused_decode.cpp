@@ -32,6 +32,12 @@ struct Linear4 {
 struct Layer {
   at::Tensor input_norm, post_norm;  // float32 [hidden]
   Linear4 qkv, o, gate_up, down;
+  at::Tensor q_norm, k_norm;  // float32 [head_dim] (Qwen3), or empty (Llama, Qwen2)
+
+  HeadNorms head_norms(float eps) const {
+    if (q_norm.numel() == 0) return {};
+    return {q_norm.data_ptr<float>(), k_norm.data_ptr<float>(), eps};
+  }
 };
 
 // RMSNorm of each row of h [rows, n], float32.
@@ -60,13 +66,18 @@ class FusedDecoder {
       : embed_(std::move(embed)), cos_(std::move(cos)), sin_(std::move(sin)), heads_(heads), kv_heads_(kv_heads),
         head_dim_(head_dim), eps_(static_cast<float>(eps)), int4_kernel_(int4_kernel),
         pack_block_(pack_block), attention_chunks_(attention_chunks) {
-    constexpr size_t kPerLayer = 22;  // see fused_decode.py: layer_tensors
-    TORCH_CHECK(tensors.size() % kPerLayer == 0, "expected 22 tensors per layer");
+    constexpr size_t kPerLayer = 24;  // see fused_decode.py: layer_tensors
+    TORCH_CHECK(tensors.size() % kPerLayer == 0, "expected 24 tensors per layer");
     for (size_t i = 0; i < tensors.size(); i += kPerLayer) {
       const at::Tensor* t = &tensors[i];
       layers_.push_back(Layer{t[0], t[1],
                               {t[2], t[3], t[4], t[5], t[6]}, {t[7], t[8], t[9], t[10], t[11]},
-                              {t[12], t[13], t[14], t[15], t[16]}, {t[17], t[18], t[19], t[20], t[21]}});
+                              {t[12], t[13], t[14], t[15], t[16]}, {t[17], t[18], t[19], t[20], t[21]},
+                              t[22], t[23]});
+      const Layer& L = layers_.back();
+      TORCH_CHECK(L.q_norm.numel() == L.k_norm.numel() &&
+                      (L.q_norm.numel() == 0 || L.q_norm.numel() == head_dim_),
+                  "q/k norms: both empty or both float32 [head_dim]");
     }
     TORCH_CHECK(cos_.is_contiguous() && cos_.scalar_type() == at::kFloat, "cos: float32");
     TORCH_CHECK(head_dim_ <= kMaxHeadDim, "head_dim up to ", kMaxHeadDim, ", got ", head_dim_);
@@ -103,12 +114,13 @@ class FusedDecoder {
       rms_norm(hp, L.input_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<float>());
       at::Tensor qkv = int4_mm(x, L.qkv, precise);
       add_bias(qkv, L.qkv.bias);
+      const HeadNorms norms = L.head_norms(eps_);
       if (half_kv) {
         at::Half* k_cache = kv_cache.data_ptr<at::Half>() + li * layer_stride;
-        attention(s, qkv, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
+        attention(s, qkv, pos, slot, tables, lens, k_cache, k_cache + kv_half, norms, attn);
       } else {
         float* k_cache = kv_cache.data_ptr<float>() + li * layer_stride;
-        attention(s, qkv, pos, slot, tables, lens, k_cache, k_cache + kv_half, attn);
+        attention(s, qkv, pos, slot, tables, lens, k_cache, k_cache + kv_half, norms, attn);
       }
       add_into(hp, int4_mm(attn, L.o, precise));
       rms_norm(hp, L.post_norm.data_ptr<float>(), rows, n, eps_, x.data_ptr<float>());
@@ -146,20 +158,21 @@ class FusedDecoder {
     return out;
   }
 
-  // Rotary and the K/V write for every row, then attention over (row, chunk of its blocks)
-  // tasks: one chunk per row for short contexts (a fork-join costs more than the arithmetic),
-  // one per thread for long ones.
+  // Rotary (after the q/k head norms, where the layer has them) and the K/V write for every
+  // row, then attention over (row, chunk of its blocks) tasks: one chunk per row for short
+  // contexts (a fork-join costs more than the arithmetic), one per thread for long ones.
   template <typename T>
   void attention(const StepShape& s, const at::Tensor& qkv_f, const int64_t* pos,
                  const int64_t* slot, const int32_t* tables, const int32_t* lens, T* k_cache,
-                 T* v_cache, at::Tensor& attn) const {
+                 T* v_cache, const HeadNorms& norms, at::Tensor& attn) const {
     const int64_t rows = qkv_f.size(0), width = qkv_f.size(1), d = s.head_dim, hd = s.heads * d;
     const float* qkv = qkv_f.data_ptr<float>();
     std::vector<float> q(rows * hd);
     int64_t work = 0;
     for (int64_t r = 0; r < rows; ++r) {
       rope_and_write(s, qkv + r * width, cos_.data_ptr<float>() + pos[r] * d,
-                     sin_.data_ptr<float>() + pos[r] * d, k_cache, v_cache, slot[r], &q[r * hd]);
+                     sin_.data_ptr<float>() + pos[r] * d, k_cache, v_cache, slot[r], &q[r * hd],
+                     norms);
       work += lens[r] * hd;
     }
     const int64_t chunks =
