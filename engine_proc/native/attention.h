@@ -180,12 +180,21 @@ inline void softmax_states(float* scores, int64_t heads, int64_t n, Partial* par
   }
 }
 
-// Attention of all heads of one row over the blocks [b0, b1) of its table (keys up to seq_len):
-// per head, max, sum and the unnormalised output into acc [heads, d].
+// Scores [heads, n] of the keys before `count` (a sliding window's older keys in its first
+// block) set to -inf: they get no weight.
+inline void mask_before(float* scores, int64_t heads, int64_t n, int64_t count) {
+  if (count <= 0) return;
+  count = std::min(count, n);
+  for (int64_t h = 0; h < heads; ++h) std::fill(scores + h * n, scores + h * n + count, -INFINITY);
+}
+
+// Attention of all heads of one row over the blocks [b0, b1) of its table (keys from first_key
+// up to seq_len: first_key > 0 in a sliding-window layer): per head, max, sum and the
+// unnormalised output into acc [heads, d].
 template <typename T>
 void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T* v_cache,
-                  const int32_t* table, int64_t seq_len, int64_t b0, int64_t b1, Partial* part,
-                  float* acc, std::vector<float>& scores_buf) {
+                  const int32_t* table, int64_t seq_len, int64_t first_key, int64_t b0,
+                  int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads, bs = s.block_size;
   const int64_t slot_stride = s.kv_heads * d;  // elements per cache slot
   const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
@@ -196,6 +205,7 @@ void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T*
     for (int64_t h = 0; h < s.heads; ++h)
       scores[h * n + j] = dot(q + h * d, key + (h / group) * d, d) * s.scale;
   });
+  mask_before(scores, s.heads, n, first_key - j0);
   softmax_states(scores, s.heads, n, part);
   std::fill(acc, acc + s.heads * d, 0.f);
   for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, 0, [&](const T* value, int64_t j) {
@@ -211,8 +221,8 @@ void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T*
 // accumulator for every key).
 template <typename T, int V, int G>
 void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, const T* v_cache,
-                       const int32_t* table, int64_t seq_len, int64_t b0, int64_t b1,
-                       Partial* part, float* acc, std::vector<float>& scores_buf) {
+                       const int32_t* table, int64_t seq_len, int64_t first_key, int64_t b0,
+                       int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
   constexpr int64_t d = 16 * V;
   const int64_t bs = s.block_size, slot_stride = s.kv_heads * d;
   const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
@@ -237,6 +247,7 @@ void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, con
       }
     }, d);
   }
+  mask_before(scores, s.heads, n, first_key - j0);
   softmax_states(scores, s.heads, n, part);
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const int64_t h0 = kvh * G;
@@ -266,7 +277,8 @@ void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, con
 
 template <typename T>
 using AttendChunk = void (*)(const StepShape&, const float*, const T*, const T*, const int32_t*,
-                             int64_t, int64_t, int64_t, Partial*, float*, std::vector<float>&);
+                             int64_t, int64_t, int64_t, int64_t, Partial*, float*,
+                             std::vector<float>&);
 
 // The attention of one chunk for this shape: the register version where its G x V
 // accumulators fit (heads of 16, 32 or 64 floats, up to 4 query heads per KV head), else the

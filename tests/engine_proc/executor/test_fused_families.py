@@ -1,5 +1,7 @@
-"""The fused CPU decode step on the families beyond Llama's layer (Qwen3's q/k head norms),
-against transformers' own float32 forward and generate() of the same weights.
+"""The fused CPU decode step on the families beyond Llama's layer (Qwen3's q/k head norms;
+Gemma 3's sliding-window layers over the hybrid KV cache, local rotary base, sandwich norms,
+GELU-tanh MLP, scaled embeddings and attention scale), against transformers' own float32
+forward and generate() of the same weights.
 
 The tiny checkpoints' linear weights are snapped to 4-bit Q4_1 levels and the output
 projection to bfloat16 values, so the int4 engine's 4-bit copies are lossless and its precise
@@ -32,6 +34,16 @@ QWEN3_LAYOUTS = {
     "mqa-hd32-tied": {"num_heads": 4, "num_kv_heads": 1, "head_dim": 32,
                       "tie_word_embeddings": True},
 }  # fmt: skip
+# Gemma 3: windows shorter than the prompt, sliding and full layers (a hybrid KV cache of
+# several groups), query_pre_attn_scalar other than head_dim, tied embeddings (its default)
+GEMMA3_LAYOUTS = {
+    "window8-gqa": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 4, "sliding_window": 8,
+                    "layer_types": ("sliding_attention", "sliding_attention",
+                                    "full_attention", "sliding_attention"),
+                    "query_pre_attn_scalar": 24, "tie_word_embeddings": True},
+    "window21-mqa-hd32": {"num_heads": 4, "num_kv_heads": 1, "head_dim": 32, "num_layers": 3,
+                          "sliding_window": 21, "tie_word_embeddings": True},
+}  # fmt: skip
 _snapped: dict[str, object] = {}
 
 
@@ -57,7 +69,7 @@ def snapped_dir(tmp_path_factory, architecture: str, **params):
     return _snapped[key]
 
 
-def test_qwen3_is_a_layer_the_fused_step_computes_and_gemma3_is_not():
+def test_qwen3_and_gemma3_are_layers_the_fused_step_computes():
     base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                 num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
                 max_position_embeddings=128, tie_word_embeddings=False,
@@ -66,14 +78,17 @@ def test_qwen3_is_a_layer_the_fused_step_computes_and_gemma3_is_not():
     assert fd.architecture_unsupported_reason(qwen3) is None
     gemma3 = ModelConfig(architecture="Gemma3ForCausalLM", qk_norm=True, sandwich_norms=True,
                          hidden_act="gelu_tanh", **base)  # fmt: skip
-    why = fd.architecture_unsupported_reason(gemma3)
-    assert why is not None and "sandwich norms" in why and "q/k norms" not in why
+    assert fd.architecture_unsupported_reason(gemma3) is None
+    mixtral = ModelConfig(architecture="MixtralForCausalLM", num_experts=4,
+                          num_experts_per_tok=2, **base)  # fmt: skip
+    assert "routed experts" in (fd.architecture_unsupported_reason(mixtral) or "")
 
 
-def _engine(path, decode_step: str) -> LLMEngine:
+def _engine(path, decode_step: str, block_size: int = 16) -> LLMEngine:
     # float32 K/V: the references' keys and values are exact
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, decode_weights="int4",
-                                  decode_step=decode_step, kv_cache_dtype="fp32"))  # fmt: skip
+    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=400, decode_weights="int4",
+                                  decode_step=decode_step, kv_cache_dtype="fp32",
+                                  block_size=block_size))  # fmt: skip
 
 
 def _reference_greedy(ref, prompt: list[int]) -> list[int]:
@@ -85,14 +100,23 @@ def _reference_greedy(ref, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+LAYOUTS = [("qwen3", name, 16) for name in QWEN3_LAYOUTS] + [
+    ("gemma3", name, bs) for name in GEMMA3_LAYOUTS for bs in (16, 7)
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(QWEN3_LAYOUTS))
-def test_qwen3_fused_steps_compute_transformers_forward(
-    extension, tmp_path_factory, monkeypatch, layout
+@pytest.mark.parametrize(("arch", "layout", "block_size"), LAYOUTS,
+                         ids=[f"{a}-{n}-bs{b}" for a, n, b in LAYOUTS])  # fmt: skip
+def test_fused_steps_compute_transformers_forward(
+    extension, tmp_path_factory, monkeypatch, arch, layout, block_size
 ):
-    path = snapped_dir(tmp_path_factory, "qwen3", **QWEN3_LAYOUTS[layout])
+    params = (QWEN3_LAYOUTS | GEMMA3_LAYOUTS)[layout]
+    path = snapped_dir(tmp_path_factory, arch, **params)
     ref = hf_reference_model(path)
-    engine = _engine(path, "fused")
+    engine = _engine(path, "fused", block_size)
+    if "sliding_window" in params:  # the hybrid cache: sliding groups released blocks
+        assert engine.runner.layout is not None and engine.runner.layout.is_hybrid
     step = engine.runner.fused.step
     assert engine.runner.fused.state == "fused" and step is not None
     rows: dict[int, torch.Tensor] = {}  # position -> the fused step's final-norm hidden state
@@ -119,12 +143,13 @@ def test_qwen3_fused_steps_compute_transformers_forward(
 
 
 @pytest.mark.slow
-def test_qwen3_batched_fused_decoding_gives_the_eager_and_reference_tokens(
-    extension, tmp_path_factory
+@pytest.mark.parametrize(("arch", "layout"), [("qwen3", "gqa"), ("gemma3", "window8-gqa")])
+def test_batched_fused_decoding_gives_the_eager_and_reference_tokens(
+    extension, tmp_path_factory, arch, layout
 ):
     """Three sequences a step (precise products), the same tokens as the eager int4 engine and
     as generate() one prompt at a time."""
-    path = snapped_dir(tmp_path_factory, "qwen3", **QWEN3_LAYOUTS["gqa"])
+    path = snapped_dir(tmp_path_factory, arch, **(QWEN3_LAYOUTS | GEMMA3_LAYOUTS)[layout])
     ref = hf_reference_model(path)
     prompts = [PROMPT[:20], PROMPT[20:27], [5] * 18]
     fused, eager = _engine(path, "fused"), _engine(path, "eager")
