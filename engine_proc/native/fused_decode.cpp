@@ -1,4 +1,6 @@
-// One CPU decode step of a Llama-family model over the paged KV cache, in a single call from
+// One CPU decode step of a Llama-family model (with Qwen2's biases, Qwen3's q/k head norms,
+// Gemma 3's sandwich norms, GELU-tanh MLP and sliding-window layers over the hybrid KV cache)
+// over the paged KV cache, in a single call from
 // Python: what the eager path does with ~40 torch operators per layer (each a Python dispatch
 // of a few microseconds on vectors of a few hundred floats) runs here as plain loops around the
 // 4-bit products (int4_kernels.h), attention (attention.h) and the output projection
