@@ -57,16 +57,12 @@ def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: 
 
 
 def architecture_unsupported_reason(config: ModelConfig) -> str | None:
-    """The fused C++ step computes Llama's layer (with Qwen2's q/k/v biases): what else a family
-    adds it cannot express yet, and those models decode eagerly."""
+    """The fused C++ step computes Llama's layer with Qwen2's q/k/v biases, Qwen3's q/k head
+    norms and Gemma 3's additions (sliding-window layers over the hybrid KV cache with their own
+    rotary base, sandwich norms, a GELU-tanh MLP, scaled embeddings, its attention scale): what
+    else a family adds it cannot express yet, and those models decode eagerly."""
     features = [
-        (config.qk_norm, "q/k norms"),
-        (config.has_sliding_layers, "sliding-window layers"),
-        (config.sandwich_norms, "sandwich norms"),
-        (config.hidden_act != "silu", f"a {config.hidden_act} MLP"),
-        (config.embed_scale is not None, "scaled embeddings"),
-        (config.query_scale is not None, "an attention scale other than 1/sqrt(head_dim)"),
-        (config.rope_local_theta is not None, "a local rotary base"),
+        (config.hidden_act not in ("silu", "gelu_tanh"), f"a {config.hidden_act} MLP"),
         (config.has_experts, "routed experts"),
         (config.attn_logit_softcap is not None, "attention logit soft-capping"),
         (config.final_logit_softcap is not None, "final logit soft-capping"),
@@ -195,7 +191,7 @@ def layer_tensors(
     strips: StripsOf | None = None,
     q8_products: tuple[str, ...] = (),
 ) -> list[torch.Tensor]:
-    """The 22 tensors per layer the C++ side reads, in its order, for ``kernel``; with
+    """The 26 tensors per layer the C++ side reads, in its order, for ``kernel``; with
     ``strips``, the codes of the ``q8_products`` (names from Q8_PRODUCTS) in the 8-bit-activation
     kernel's layout."""
     products = {
@@ -207,6 +203,10 @@ def layer_tensors(
     tensors = [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
     for name, (w, bias) in products.items():
         tensors += _linear(w, bias, kernel, strips if name in q8_products else None)
+    # Qwen3's and Gemma 3's per-head q/k RMSNorm weights [head_dim], Gemma's norms of the
+    # attention's and the MLP's outputs [hidden]; empty: none
+    for norm in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm):
+        tensors.append(torch.empty(0) if norm is None else norm.float().contiguous())
     return tensors
 
 
@@ -258,10 +258,15 @@ class FusedDecodeStep:
         tensors = [
             t for layer in model.layers for t in layer_tensors(layer, kernel, strips, q8_products)
         ]
-        rotary = model.rotary
+        rotary, local = model.rotary, model.local_rotary
+        none = torch.empty(0)
         decoder = module.FusedDecoder(
-            tensors, model.embed, rotary.cos, rotary.sin, c.num_heads, c.num_kv_heads,
-            c.head_dim, c.rms_norm_eps, INT4_KERNELS.index(kernel), block or 64, attention_chunks,
+            tensors, model.embed, rotary.cos, rotary.sin, none if local is None else local.cos,
+            none if local is None else local.sin, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.rms_norm_eps, INT4_KERNELS.index(kernel), block or 64, attention_chunks,
+            float(model.embed_scale or 0.0), float(model.scale), c.hidden_act == "gelu_tanh",
+            [layer.window or 0 for layer in model.layers],
+            [layer.kv_group for layer in model.layers], [layer.kv_slot for layer in model.layers],
         )  # fmt: skip
         logger.info(
             "fused decode step: 4-bit products by the %s kernel, wide steps' %s on 8-bit "
@@ -291,24 +296,27 @@ class FusedDecodeStep:
         independent (each reads and writes only its own sequence's blocks), so a wide step runs
         as calls of at most ``ROWS_PER_CALL`` rows."""
         precise = len(input_ids) <= self.precise_rows
+        groups = [meta, *meta.groups]
         return self.forward_rows(
-            input_ids, positions, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            precise,
+            input_ids, positions, kv_cache, [g.slot_mapping for g in groups],
+            [g.block_tables for g in groups], meta.seq_lens, precise,
         )  # fmt: skip
 
     def forward_rows(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-        slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, precise: bool,
+        slots: list[torch.Tensor], block_tables: list[torch.Tensor], seq_lens: torch.Tensor,
+        precise: bool,
     ) -> torch.Tensor:  # fmt: skip
         """Final-norm hidden states of one-token rows (row r: token input_ids[r] at
-        positions[r], K/V written to slots[r], attending to the first seq_lens[r] positions of
-        block_tables[r]), ``ROWS_PER_CALL`` rows a call, in order: a later call may read K/V an
+        positions[r], K/V written to slots[g][r], attending to the first seq_lens[r] positions
+        of block_tables[g][r] in the layers of KV group g; a sliding layer to its window's
+        last of them), ``ROWS_PER_CALL`` rows a call, in order: a later call may read K/V an
         earlier one wrote (a prompt's tokens as rows)."""
         rows = len(input_ids)
         parts = [
             self.decoder.forward(
-                input_ids[i:j], positions[i:j], kv_cache, slots[i:j], block_tables[i:j],
-                seq_lens[i:j], self.model.norm, precise,
+                input_ids[i:j], positions[i:j], kv_cache, [s[i:j] for s in slots],
+                [t[i:j] for t in block_tables], seq_lens[i:j], self.model.norm, precise,
             )  # fmt: skip
             for i in range(0, rows, ROWS_PER_CALL)
             for j in [min(rows, i + ROWS_PER_CALL)]

@@ -41,8 +41,9 @@ class ModelRunner:
             self.kv_caches = slot_caches
         else:  # each layer reads its slot of its group's pages
             self.kv_caches = [slot_caches[slot] for slot in layout.layer_slot]
-            for layer, group in zip(model.layers, layout.layer_group, strict=True):
-                layer.kv_group = group
+            for layer, group, slot in zip(model.layers, layout.layer_group, layout.layer_slot,
+                                          strict=True):  # fmt: skip
+                layer.kv_group, layer.kv_slot = group, slot
         self.block_size = kv_cache.shape[3]
         self.backend = backend
         self.device = kv_cache.device
@@ -196,11 +197,13 @@ class ModelRunner:
         K/V and attends to its sequence up to itself (every row's write comes before any row's
         attention in a layer), so the rows compute the causal prefill."""
         meta = step.meta
-        tables = meta.block_tables.repeat_interleave(torch.tensor(meta.query_lens_cpu), dim=0)
+        groups = [meta, *meta.groups]  # the hybrid cache's groups: each its own tables
+        query_lens = torch.tensor(meta.query_lens_cpu)
+        tables = [g.block_tables.repeat_interleave(query_lens, dim=0) for g in groups]
         seq_lens = (step.positions + 1).to(torch.int32)
         hidden = fused.forward_rows(
-            step.input_ids, step.positions, self.kv_cache, meta.slot_mapping, tables, seq_lens,
-            precise=True,
+            step.input_ids, step.positions, self.kv_cache, [g.slot_mapping for g in groups],
+            tables, seq_lens, precise=True,
         )  # fmt: skip
         self.num_fused_prompt_steps += 1
         if not step.sampling_seqs:

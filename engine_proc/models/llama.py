@@ -79,6 +79,7 @@ class LlamaLayer:
         self.k_norm = w.get(f"{attn}.k_norm.weight") if config.qk_norm else None
         self.window = config.layer_window(index)  # None: full attention
         self.kv_group = 0  # its group in a hybrid KV cache (set by the model runner)
+        self.kv_slot = index  # its slot in the KV cache's pages (set by the model runner)
         # 4-bit copies for decode-sized products (see models/int4.py); None = dense only.
         self.qkv_int4: Int4Weight | None = None
         self.o_int4: Int4Weight | None = None

@@ -180,12 +180,21 @@ inline void softmax_states(float* scores, int64_t heads, int64_t n, Partial* par
   }
 }
 
-// Attention of all heads of one row over the blocks [b0, b1) of its table (keys up to seq_len):
-// per head, max, sum and the unnormalised output into acc [heads, d].
+// Scores [heads, n] of the keys before `count` (a sliding window's older keys in its first
+// block) set to -inf: they get no weight.
+inline void mask_before(float* scores, int64_t heads, int64_t n, int64_t count) {
+  if (count <= 0) return;
+  count = std::min(count, n);
+  for (int64_t h = 0; h < heads; ++h) std::fill(scores + h * n, scores + h * n + count, -INFINITY);
+}
+
+// Attention of all heads of one row over the blocks [b0, b1) of its table (keys from first_key
+// up to seq_len: first_key > 0 in a sliding-window layer): per head, max, sum and the
+// unnormalised output into acc [heads, d].
 template <typename T>
 void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T* v_cache,
-                  const int32_t* table, int64_t seq_len, int64_t b0, int64_t b1, Partial* part,
-                  float* acc, std::vector<float>& scores_buf) {
+                  const int32_t* table, int64_t seq_len, int64_t first_key, int64_t b0,
+                  int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads, bs = s.block_size;
   const int64_t slot_stride = s.kv_heads * d;  // elements per cache slot
   const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
@@ -196,6 +205,7 @@ void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T*
     for (int64_t h = 0; h < s.heads; ++h)
       scores[h * n + j] = dot(q + h * d, key + (h / group) * d, d) * s.scale;
   });
+  mask_before(scores, s.heads, n, first_key - j0);
   softmax_states(scores, s.heads, n, part);
   std::fill(acc, acc + s.heads * d, 0.f);
   for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, 0, [&](const T* value, int64_t j) {
@@ -211,8 +221,8 @@ void attend_chunk(const StepShape& s, const float* q, const T* k_cache, const T*
 // accumulator for every key).
 template <typename T, int V, int G>
 void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, const T* v_cache,
-                       const int32_t* table, int64_t seq_len, int64_t b0, int64_t b1,
-                       Partial* part, float* acc, std::vector<float>& scores_buf) {
+                       const int32_t* table, int64_t seq_len, int64_t first_key, int64_t b0,
+                       int64_t b1, Partial* part, float* acc, std::vector<float>& scores_buf) {
   constexpr int64_t d = 16 * V;
   const int64_t bs = s.block_size, slot_stride = s.kv_heads * d;
   const int64_t j0 = b0 * bs, n = std::min(seq_len, b1 * bs) - j0;
@@ -237,6 +247,7 @@ void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, con
       }
     }, d);
   }
+  mask_before(scores, s.heads, n, first_key - j0);
   softmax_states(scores, s.heads, n, part);
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const int64_t h0 = kvh * G;
@@ -266,7 +277,8 @@ void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, con
 
 template <typename T>
 using AttendChunk = void (*)(const StepShape&, const float*, const T*, const T*, const int32_t*,
-                             int64_t, int64_t, int64_t, Partial*, float*, std::vector<float>&);
+                             int64_t, int64_t, int64_t, int64_t, Partial*, float*,
+                             std::vector<float>&);
 
 // The attention of one chunk for this shape: the register version where its G x V
 // accumulators fit (heads of 16, 32 or 64 floats, up to 4 query heads per KV head), else the
@@ -298,16 +310,40 @@ inline void rope_store(const float* x, const float* cos, const float* sin, int64
   store_row(row, out, d);
 }
 
-// Rotary on the row's query heads and keys; the new K/V written at its slot (if any).
+// Qwen3's and Gemma 3's RMSNorm of every q and k head before rotary (weights [head_dim]);
+// q == nullptr: none (Llama, Qwen2).
+struct HeadNorms {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  float eps = 0.f;
+};
+
+// x [d] RMS-normalised times w into out (the eager path's F.rms_norm over one head).
+inline void head_rms_norm(const float* x, const float* w, int64_t d, float eps, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// Rotary on the row's query heads and keys (each normalised first where `norms` has weights);
+// the new K/V written at its slot (if any).
 template <typename T>
 void rope_and_write(const StepShape& s, const float* qkv_row, const float* cos, const float* sin,
-                    T* k_cache, T* v_cache, int64_t slot, float* q) {
+                    T* k_cache, T* v_cache, int64_t slot, float* q, const HeadNorms& norms) {
   const int64_t d = s.head_dim, slot_stride = s.kv_heads * d;
-  for (int64_t h = 0; h < s.heads; ++h) rope(qkv_row + h * d, cos, sin, d, q + h * d);
+  float normed[kMaxHeadDim];
+  for (int64_t h = 0; h < s.heads; ++h) {
+    const float* x = qkv_row + h * d;
+    if (norms.q != nullptr) x = (head_rms_norm(x, norms.q, d, norms.eps, normed), normed);
+    rope(x, cos, sin, d, q + h * d);
+  }
   if (slot < 0) return;
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const float* k_in = qkv_row + (s.heads + kvh) * d;
     const float* v_in = qkv_row + (s.heads + s.kv_heads + kvh) * d;
+    if (norms.k != nullptr) k_in = (head_rms_norm(k_in, norms.k, d, norms.eps, normed), normed);
     rope_store(k_in, cos, sin, d, k_cache + slot * slot_stride + kvh * d);
     store_row(v_in, v_cache + slot * slot_stride + kvh * d, d);
   }
