@@ -72,6 +72,8 @@ class ResponsesCall:
 
 
 def parse_responses(body: Any, limits: Limits) -> ResponsesCall:
+    """A /v1/responses body -> its chat plan (validated by parse_chat) and what the reply
+    echoes; a 400 naming the Responses field for anything wrong or refused."""
     body = expect_object(body, "body", "a JSON object")
     refuse_fields(body, REFUSED)
     if body.get("store") is True:
@@ -110,6 +112,9 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesCall:
     if reasoning is not None:
         reasoning = expect_object(reasoning, "reasoning", "an object {effort, summary}")
         check_known(reasoning, {"effort", "summary", "generate_summary"}, "reasoning")
+        for key in ("summary", "generate_summary"):  # no summaries: the thinking comes whole
+            if reasoning.get(key) is not None:
+                expect_choice(reasoning[key], f"reasoning.{key}", ("auto", "concise", "detailed"))
         if reasoning.get("effort") is not None:
             chat.body["reasoning_effort"] = reasoning["effort"]
     plan = chat.plan(limits)
@@ -117,7 +122,7 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesCall:
         "instructions": instructions,
         "tools": body.get("tools") or [],
         "tool_choice": choice if choice is not None else "auto",
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "max_output_tokens": body.get("max_output_tokens"),

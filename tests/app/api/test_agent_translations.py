@@ -164,6 +164,7 @@ def test_responses_allowed_tools_narrow_the_tools(monkeypatch) -> None:
         ({"input": "hi", "reasoning": {"effort": "low", "budget": 3}}, "reasoning.budget",
          "unknown"),
         ({"input": "hi", "stream_options": {}}, "stream_options", "stream: true"),
+        ({"input": "hi", "reasoning": {"summary": "long"}}, "reasoning.summary", "'concise'"),
         ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name",
          "tools[0].name must be 1-64 letters"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": []}]},
