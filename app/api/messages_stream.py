@@ -82,7 +82,7 @@ def usage_of(result: ChoiceResult) -> dict[str, Any]:
 
 def content_blocks(output: ChoiceOutput) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
-    if output.reasoning is not None:
+    if output.reasoning:  # as streamed: an empty thinking block makes no item
         blocks.append({"type": "thinking", "thinking": output.reasoning, "signature": ""})
     if output.content or not output.tool_calls:
         blocks.append({"type": "text", "text": output.content})

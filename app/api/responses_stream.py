@@ -77,7 +77,7 @@ def output_items(output: ChoiceOutput, incomplete: bool) -> list[dict[str, Any]]
     """A finished choice's output items: its reasoning, its text, its calls (in that order)."""
     items = []
     status = "incomplete" if incomplete else "completed"
-    if output.reasoning is not None:
+    if output.reasoning:  # as streamed: an empty thinking block makes no item
         items.append(reasoning_item(new_id("rs"), output.reasoning, "completed"))
     if output.content or not output.tool_calls:
         items.append(message_item(new_id("msg"), output.content, status))
