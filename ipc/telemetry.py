@@ -75,6 +75,9 @@ class RequestState(msgspec.Struct, kw_only=True):
     # hybrid KV cache: each sliding-window group's table (group 1 first), -1 where a block was
     # released after leaving the window; empty for models with one group
     group_tables: list[list[int]] = []
+    structured: str = ""  # the output constraint's kind (json, json_object, regex, ...); "" none
+    # how many tokens the grammar allowed at each of its last steps (at most 256), oldest first
+    allowed_tokens: list[int] = []
 
 
 class TokenEvent(msgspec.Struct, kw_only=True):
