@@ -27,7 +27,7 @@ class SeqGrammar:
     def start(cls, kind: str, grammar: Any, consumed: list[int]) -> SeqGrammar:
         """A matcher at the grammar's start that has consumed `consumed` (outputs a sequence
         already has, e.g. a disaggregated request's first token)."""
-        state = cls(kind, grammar, xgr.GrammarMatcher(grammar, max_rollback_tokens=0))
+        state = cls(kind, grammar, xgr.GrammarMatcher(grammar))
         for token in consumed:
             state.accept(token)
         return state
