@@ -141,7 +141,7 @@ DOC_NESTED_FIELDS = {
     P.RequestState: {"request_id", "status", "block_table", "num_prompt_tokens",
                      "num_cached_tokens", "num_computed_tokens", "num_generated_tokens",
                      "arrival_time", "first_scheduled_time", "first_token_time", "origin",
-                     "group_tables"},
+                     "group_tables", "structured", "allowed_tokens"},
     P.TokenEvent: {"request_id", "index", "time"},
     P.StepStats: {"time", "duration", "num_prefill_tokens", "num_decode_tokens", "num_running",
                   "num_waiting"},

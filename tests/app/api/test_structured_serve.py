@@ -33,9 +33,12 @@ def _format(name: str) -> dict:
 @pytest.fixture(scope="module")
 def serve():
     proc = ServeProc(
-        # short steps (16 rows, 128 tokens): the API hears from the engine between them
+        # Short steps (16 rows, 128 tokens), one thread, and a patient heartbeat: on a shared
+        # 2-core machine a step of the 135M model took seconds, past the 3 s of silence after
+        # which the API takes the engine for gone.
         ["--port", "0", "--dtype", "float32", "--decode-weights", "dense", "--engine-args",
-         "--num-threads 2 --num-kv-blocks 512 --max-num-seqs 16 --max-num-batched-tokens 128"]
+         "--num-threads 1 --num-kv-blocks 512 --max-num-seqs 16 --max-num-batched-tokens 128 "
+         "--heartbeat-interval 10"]
     )  # fmt: skip
     try:
         yield proc.wait_healthy(600)
