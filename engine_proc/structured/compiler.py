@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +36,14 @@ class Compiled:
 
 
 class GrammarCompiler:
-    def __init__(self, info: Any, cache_size: int = CACHE_SIZE,
-                 timeout: float = COMPILE_TIMEOUT, workers: int = 1) -> None:  # fmt: skip
-        # xgrammar's own cache off: ours is keyed by the digest and bounded by entries.
-        self._xgr = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+    def __init__(self, make_info: Callable[[], Any], cache_size: int = CACHE_SIZE,
+                 timeout: float = COMPILE_TIMEOUT) -> None:  # fmt: skip
+        # xgrammar's view of the vocabulary takes ~0.3 s to build (49k tokens): built by the
+        # worker on its first job, never on the step loop.
+        self._make_info = make_info
+        self._xgr: Any = None
+        # One worker: jobs never race for self._xgr, and compiles take one core at most.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._cache: OrderedDict[str, Future[Compiled]] = OrderedDict()
         self._started: dict[str, float] = {}
         self.cache_size = cache_size
@@ -85,6 +89,10 @@ class GrammarCompiler:
     def _compile(self, kind: str, spec: str, field: str) -> Compiled:
         start = time.perf_counter()
         try:
+            if self._xgr is None:
+                # xgrammar's own cache off: ours is keyed by the digest and bounded by entries.
+                self._xgr = xgr.GrammarCompiler(self._make_info(), max_threads=1,
+                                                cache_enabled=False)  # fmt: skip
             grammar = compile_constraint(self._xgr, kind, spec, field)
         except GrammarError as exc:
             return Compiled(None, str(exc), time.perf_counter() - start)

@@ -40,10 +40,10 @@ class StructuredOutputs:
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            # ~0.3 s for a 49k vocabulary, once: engines that never see a grammar skip it.
-            info = tokenizer_info(self._tokenizer, self._vocab_size, self._eos)
-            self._compiler = GrammarCompiler(info)
+        if self._compiler is None:  # engines that never see a grammar start no thread
+            self._compiler = GrammarCompiler(
+                lambda: tokenizer_info(self._tokenizer, self._vocab_size, self._eos)
+            )
         return self._compiler
 
     def admit(self, seq: Sequence) -> bool:
@@ -51,12 +51,7 @@ class StructuredOutputs:
         it is compiling (the sequence is parked). ValueError when it is known not to compile."""
         so = seq.params.structured
         assert so is not None
-        try:
-            compiler = self.compiler
-        except Exception as exc:  # a tokenizer xgrammar cannot read: refuse, keep serving
-            logger.exception("structured output is unavailable for this tokenizer")
-            raise ValueError(f"{so.field}: structured output is unavailable for this model's "
-                             f"tokenizer ({exc})") from None  # fmt: skip
+        compiler = self.compiler
         key = compiler.submit(so.kind, so.spec, so.field)
         done = compiler.result(key, so.field)
         if done is None:
