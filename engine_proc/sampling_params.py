@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # a type only: engine_proc.core (torch-free) imports this module
-    from ipc.messages import StructuredOutput
+from ipc.messages import StructuredOutput
 
 MAX_LOGPROBS = 20  # most top candidates per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence / frequency, OpenAI's range
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The engine's bound on a constraint's text (the API refuses user grammars over 64 KiB; a
+# tool_choice schema built from many tools may be larger).
+MAX_STRUCTURED_SPEC = 256 * 1024
 
 
 @dataclass(slots=True)
@@ -75,6 +77,8 @@ class SamplingParams:
                 f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], "
                 f"got {self.logprobs!r}"
             )
+        if self.structured is not None:
+            _check_structured(self.structured)
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +96,28 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the logits are changed (bias, penalties) before the token is chosen."""
         return bool(self.logit_bias) or self.has_penalties
+
+
+def _check_structured(so: object) -> None:
+    """Shape only: whether the constraint compiles is decided by engine_proc/structured."""
+    if not isinstance(so, StructuredOutput):
+        raise ValueError(f"structured must be a StructuredOutput or None, got {so!r}")
+    if so.kind not in STRUCTURED_KINDS:
+        raise ValueError(
+            f"{so.field}: structured kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+            f"got {so.kind!r}"
+        )
+    if not isinstance(so.spec, str):
+        raise ValueError(
+            f"{so.field}: the constraint must be a string, got {type(so.spec).__name__}"
+        )
+    if len(so.spec) > MAX_STRUCTURED_SPEC:
+        raise ValueError(
+            f"{so.field}: grammar too large ({len(so.spec)} characters; at most "
+            f"{MAX_STRUCTURED_SPEC})"
+        )
+    if so.kind != "json_object" and not so.spec.strip():
+        raise ValueError(f"{so.field}: the {so.kind} constraint is empty")
 
 
 def _checked_logit_bias(bias: object) -> dict[int, float]:

@@ -38,7 +38,7 @@ class StructuredOutput(msgspec.Struct, **_STRICT):
 
     kind / spec: "json" a JSON schema (its JSON text); "json_object" any JSON object (spec "");
     "regex" a regular expression; "choice" a JSON list of the allowed strings; "grammar" a
-    GBNF grammar (llama.cpp's) or a Lark grammar (llguidance's). `field` is the API field the
+    GBNF grammar (llama.cpp's; xgrammar's EBNF). `field` is the API field the
     constraint came from ("response_format", "structured_outputs.json", "grammar",
     "tool_choice", ...): the engine's refusal of a grammar names it.
     """

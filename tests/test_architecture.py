@@ -74,7 +74,9 @@ def test_a_bad_import_breaks_its_contract(source_copy: Path, path: str, line: st
     assert proc.returncode != 0, proc.stdout
     broken = proc.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken, proc.stdout
-    expected = 2 if line == "import torch" and path.startswith("ipc/") else 1
+    # torch in ipc also reaches the desktop side and engine_proc.core (its requests carry
+    # SamplingParams, which carry ipc's StructuredOutput)
+    expected = 3 if line == "import torch" and path.startswith("ipc/") else 1
     assert f"{expected} broken" in proc.stdout, proc.stdout  # that contract and no other
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.api.errors import APIError, bad_request
+from app.api.structured import structured_of
 from app.api.tools.request import (
     MESSAGE_FIELDS,
     apply_tools,
@@ -39,11 +40,6 @@ UNSUPPORTED_FIELDS = {
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "verbosity": "verbosity is not supported",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
-    "structured_outputs": "structured outputs are not supported",
     "min_tokens": "min_tokens is not supported",
     "min_p": "min_p is not supported",
     "suffix": "suffix (insertion) is not supported",
@@ -57,6 +53,8 @@ COMMON_FIELDS = frozenset(
         "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "logprobs", "ignore_eos", "stop_token_ids", "cache_salt",
         "skip_special_tokens", "include_stop_str_in_output", "best_of", "echo",
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "grammar",
     }
 )  # fmt: skip
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -113,14 +111,6 @@ def parse_chat(body: Any, limits: Limits) -> GenerationPlan:
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
     plan = GenerationPlan(kind="chat", model=_model(body), messages=_messages(body))
-    if body.get("response_format") is not None:
-        rf = body["response_format"]
-        if not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise bad_request(
-                "response_format other than {'type': 'text'} (JSON mode, JSON schema) is not "
-                "supported",
-                "response_format",
-            )
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request(
@@ -264,6 +254,7 @@ def _fill_common(
         ),
         logit_bias=_logit_bias(body),
         logprobs=top,
+        structured=structured_of(body, plan.kind),  # app/api/structured.py
     )
 
 

@@ -51,6 +51,9 @@ class Sequence:
     # role).
     lease_on_finish: bool = False
     held_blocks: list = field(default_factory=list)
+    # Structured output (engine_proc/structured/matcher.py's SeqGrammar): where this sequence
+    # is in its grammar; None for unconstrained sequences.
+    grammar: object | None = None
 
     @property
     def display_id(self) -> str:

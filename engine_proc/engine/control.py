@@ -144,7 +144,8 @@ class LiveControl(EngineParts):
             stats=self.stats,
             kv=self.kv,
             seqs=self.all_sequences(),
-            num_waiting=len(self.scheduler.waiting),
+            # with the requests whose grammar is still compiling (not in the scheduler yet)
+            num_waiting=len(self.scheduler.waiting) + len(self.structured.parked),
             block_bytes=self.block_bytes,
             contiguous_bytes_per_request=self.max_model_len * self.kv_bytes_per_token,
             live_config=self.live_config(),

@@ -42,6 +42,7 @@ from engine_proc.models.config import ModelConfig
 from engine_proc.models.llama import LlamaModel, int4_unsupported_reason
 from engine_proc.outputs import RequestMetrics, RequestOutput
 from engine_proc.sampling_params import SamplingParams
+from engine_proc.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,10 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
+        # Grammars: requests wait there, outside the scheduler, while theirs compiles; the ids
+        # and reasons of those refused since the server last took them (invalid_request).
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.refusals: dict[str, str] = {}
         self.stats = EngineStats()
         self.histograms = RequestHistograms.create(self.max_model_len)
         self._seed_rng = random.Random(config.seed)
@@ -274,8 +279,12 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
                                  "hybrid KV cache's sliding-window groups yet; serve this model "
                                  "colocated, or with hybrid_kv=False")  # fmt: skip
             self._take_over(seq, kv_transfer)
+        # A constraint that is known not to compile raises here (ValueError); one that is
+        # compiling parks the sequence until step() finds its grammar ready.
+        ready = params.structured is None or self.structured.admit(seq)
         self.requests[request_id] = [seq]
-        self.scheduler.add(seq)
+        if ready:
+            self.scheduler.add(seq)
         self.stats.request_prompt_tokens_total += len(prompt_ids)
 
     def _check_given_outputs(self, given: list[int], params: SamplingParams) -> None:
@@ -329,6 +338,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         if seqs is None:
             raise ValueError(f"request_id {request_id!r} is not an active request")
         outputs = []
+        self.structured.discard(request_id)
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -344,11 +354,15 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
+        if self.structured.parked:
+            self._admit_structured()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
         self.stats.prefix_cache_queries += batch.prefix_cache_queries
         self.stats.prefix_cache_hits += batch.prefix_cache_hits
         if batch.is_empty:
+            # Nothing to run but grammars compiling: wait for one rather than spin.
+            self.structured.wait(0.005)
             return []
         start = self.clock()
         for seq in batch.seqs:
@@ -384,6 +398,21 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         )
         return outputs
 
+    def _admit_structured(self) -> None:
+        admission = self.structured.poll()
+        for seq in admission.ready:
+            self.scheduler.add(seq)
+        for request_id, why in admission.refused:
+            self.requests.pop(request_id, None)
+            self.refusals[request_id] = why
+            logger.info("request %s refused: %s", request_id, why)
+
+    def take_refusals(self) -> dict[str, str]:
+        """Requests refused after add_request returned (their grammar did not compile), with
+        why; the server answers each with invalid_request."""
+        out, self.refusals = self.refusals, {}
+        return out
+
     # ----------------------------------------------------------------- batch API
     def generate(
         self,
@@ -410,6 +439,12 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             for out in self.step():  # other callers' requests may share these steps
                 if out.finished and out.request_id in pending:
                     final[(out.request_id, out.index)] = out
+            refused = [self.refusals.pop(r) for r in pending if r in self.refusals]
+            if refused:
+                for rid in pending:
+                    if rid in self.requests:
+                        self.abort_request(rid)
+                raise ValueError(refused[0])
             pending = {r for r in pending if r in self.requests}
         order = {rid: i for i, rid in enumerate(ids)}
         return [final[key] for key in sorted(final, key=lambda k: (order[k[0]], k[1]))]

@@ -13,6 +13,8 @@ from engine_proc.engine.parts import EngineParts
 from engine_proc.engine.telemetry_types import TokenEvent
 from engine_proc.executor.sampler import RawLogprobs, compute_logprobs, sample
 from engine_proc.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from engine_proc.structured.mask import apply_grammar_masks
+from engine_proc.structured.matcher import SeqGrammar
 
 
 class StepOutputs(EngineParts):
@@ -30,8 +32,18 @@ class StepOutputs(EngineParts):
         if len(rows) != len(sampling):
             logits = logits[torch.tensor(rows, device=logits.device)]
         params = [s.params for s in seqs]
+        grammars: list[SeqGrammar | None] = [s.grammar for s in seqs]  # type: ignore[misc]
+        chosen_from = logits
+        if any(g is not None for g in grammars):
+            # Sample from masked logits. The runner's logits are this step's own tensor, so they
+            # are masked in place, unless a constrained row wants log-probabilities: those stay
+            # the raw logits' (PROTOCOL.md), and a copy is masked instead.
+            pairs = zip(grammars, params, strict=True)
+            if any(g is not None and p.logprobs is not None for g, p in pairs):
+                chosen_from = logits.clone()
+            apply_grammar_masks(chosen_from, grammars)
         tokens = sample(
-            logits,
+            chosen_from,
             params,
             [s.seed for s in seqs],
             [s.num_output_tokens for s in seqs],
@@ -43,12 +55,17 @@ class StepOutputs(EngineParts):
         outputs = []
         for seq, token, raw in zip(seqs, tokens, logprobs, strict=True):
             seq.append_token(token, now)
+            grammar_done = False
+            if seq.grammar is not None:
+                seq.grammar.accept(token)  # type: ignore[attr-defined]
+                grammar_done = seq.grammar.is_terminated  # type: ignore[attr-defined]
             self.stats.generation_tokens_total += 1
             self.stats.token_events.append(
                 TokenEvent(seq.display_id, seq.num_output_tokens - 1, now)
             )
             hit_stop = seq.detokenizer.add_tokens([token])
-            reason = seq.check_stop(hit_stop)
+            # A complete grammar ends the output even where EOS alone would not (ignore_eos).
+            reason = seq.check_stop(hit_stop) or ("stop" if grammar_done else None)
             if reason is not None:
                 handoff = None
                 if seq.lease_on_finish and reason == "length":
@@ -91,6 +108,8 @@ class StepOutputs(EngineParts):
                 num_cached_tokens=parent.num_cached_tokens,
                 rope_long=parent.rope_long,
             )
+            if parent.grammar is not None:  # each sequence walks the grammar on its own
+                child.grammar = parent.grammar.fork(parent.output_token_ids)  # type: ignore[attr-defined]
             self.kv.fork(parent, child)
             self.scheduler.add_forked(child)
             self.requests[parent.request_id].append(child)

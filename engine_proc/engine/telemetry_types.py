@@ -39,6 +39,9 @@ class RequestSnapshot:
     first_token_time: float | None
     # hybrid KV: the sliding groups' tables, -1 where a block left the window
     group_tables: list[list[int]] = field(default_factory=list)
+    structured: str = ""  # the constraint's kind (json, regex, ...); "" for none
+    # tokens the grammar allowed at each of its last steps (at most 256), oldest first
+    allowed_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -171,6 +171,7 @@ class EngineServer(RequestTracking, Controls, Publishing):
             self._abort_all(f"engine error: {exc}", reason="error")
             return
         self._dispatch(outputs)
+        self._send_refusals()
         self._reap_dead()
         self._telemetry_dirty = True
 

@@ -172,6 +172,18 @@ class RequestTracking:
             if not self._engine_knows(rid):
                 self._finish_missing(rid, out.finish_reason, out.error)
 
+    def _send_refusals(self) -> None:
+        """Requests the engine refused after admitting them (a grammar that did not compile):
+        each gets the invalid_request error a refusal at admission would have got."""
+        take = getattr(self.engine, "take_refusals", None)
+        if take is None:
+            return
+        for rid, why in take().items():
+            fl = self._inflight.get(rid)
+            if fl is not None:
+                self._send_error(fl.client, P.ERR_INVALID_REQUEST, why, request_id=rid)
+                self._forget(rid)
+
     def _forget(self, rid: str) -> None:
         if self.disagg is not None:
             self.disagg.forget(rid)

@@ -125,6 +125,8 @@ def telemetry_from_snapshot(
                 first_scheduled_time=_opt_float(r.first_scheduled_time),
                 first_token_time=_opt_float(r.first_token_time),
                 origin=origins.get(r.request_id.partition("#")[0], ""),
+                structured=r.structured,
+                allowed_tokens=[int(x) for x in r.allowed_tokens],
             )
             for r in snap.requests
         ],

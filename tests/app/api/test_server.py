@@ -301,7 +301,7 @@ def _bad_cases(model: str) -> list[tuple[str, str, dict, object, int, str | None
          "tools[0].function.name"),
         ("json schema", "/v1/chat/completions", j,
          {**chat, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
-         "response_format"),
+         "response_format.json_schema.schema"),
         ("typo field", "/v1/chat/completions", j, {**chat, "temprature": 0}, 400, "temprature"),
         ("logit_bias bad key", "/v1/chat/completions", j, {**chat, "logit_bias": {"x": 1}}, 400,
          "logit_bias"),
