@@ -54,6 +54,7 @@ class Sequence:
     # Structured output (engine_proc/structured/matcher.py's SeqGrammar): where this sequence
     # is in its grammar; None for unconstrained sequences.
     grammar: object | None = None
+    num_tools: int = 0  # tools its chat offered the model (telemetry marks agents' requests)
 
     @property
     def display_id(self) -> str:

@@ -272,6 +272,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             max_total_tokens=limit,
             eos_token_ids=self.eos_token_ids,
             num_forks=params.n,
+            num_tools=len(getattr(prompt, "tools", None) or []),  # a ChatPrompt's
         )
         if kv_transfer is not None:
             if self.kv_layout.is_hybrid:

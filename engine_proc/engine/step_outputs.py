@@ -107,6 +107,7 @@ class StepOutputs(EngineParts):
                 eos_token_ids=parent.eos_token_ids,
                 num_cached_tokens=parent.num_cached_tokens,
                 rope_long=parent.rope_long,
+                num_tools=parent.num_tools,
             )
             if parent.grammar is not None:  # each sequence walks the grammar on its own
                 child.grammar = parent.grammar.fork(parent.output_token_ids)  # type: ignore[attr-defined]

@@ -77,6 +77,7 @@ def request_snapshot(seq: Sequence) -> RequestSnapshot:
         first_scheduled_time=m.first_scheduled_time,
         first_token_time=m.first_token_time,
         structured=seq.params.structured.kind if seq.params.structured is not None else "",
+        num_tools=seq.num_tools,
         allowed_tokens=list(seq.grammar.allowed) if seq.grammar is not None else [],  # type: ignore[attr-defined]
     )
 

@@ -40,6 +40,7 @@ class RequestSnapshot:
     # hybrid KV: the sliding groups' tables, -1 where a block left the window
     group_tables: list[list[int]] = field(default_factory=list)
     structured: str = ""  # the constraint's kind (json, regex, ...); "" for none
+    num_tools: int = 0  # tools its chat offered the model
     # tokens the grammar allowed at each of its last steps (at most 256), oldest first
     allowed_tokens: list[int] = field(default_factory=list)
 

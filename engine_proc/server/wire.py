@@ -126,6 +126,7 @@ def telemetry_from_snapshot(
                 first_token_time=_opt_float(r.first_token_time),
                 origin=origins.get(r.request_id.partition("#")[0], ""),
                 structured=r.structured,
+                num_tools=r.num_tools,
                 allowed_tokens=[int(x) for x in r.allowed_tokens],
             )
             for r in snap.requests

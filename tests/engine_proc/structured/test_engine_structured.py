@@ -268,3 +268,19 @@ def test_logprobs_stay_the_raw_logits_under_a_grammar(engine) -> None:
     assert constrained.top == plain.top
     assert constrained.logprob < -0.01  # raw: the two allowed tokens do not hold all the mass
     _no_leak(engine)
+
+
+def test_telemetry_counts_the_tools_a_chat_offered(engine) -> None:
+    from engine_proc.engine.chat_render import ChatPrompt
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {}}}} for i in range(3)]  # fmt: skip
+    engine.add_request("chat", ChatPrompt([{"role": "user", "content": "hi"}], tools),
+                       SamplingParams(max_tokens=2, n=2, temperature=1.0))  # fmt: skip
+    engine.add_request("plain", "Hello", SamplingParams(max_tokens=2))
+    seen: dict[str, int] = {}
+    while engine.requests:
+        engine.step()
+        seen |= {r.request_id: r.num_tools for r in engine.snapshot().requests}
+    assert seen == {"chat": 3, "chat#1": 3, "plain": 0}  # the fork of n=2 keeps it
+    _no_leak(engine)
