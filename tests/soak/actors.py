@@ -168,6 +168,34 @@ def iter_with_timeout(stream, timeout: float):
             yield event
 
 
+AGENT_SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                   "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}  # fmt: skip
+AGENT_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+
+def _constrained_reply_problem(kind: str, choice: dict) -> str | None:
+    """Why a chat choice under a schema or a forced tool call is wrong, or None."""
+    if choice["finish_reason"] == "length":
+        return None  # cut by max_tokens: nothing to check
+    if kind == "schema":
+        value = json.loads(choice["message"]["content"])
+        ok = value.get("colour") in AGENT_SCHEMA["properties"]["colour"]["enum"]
+        return None if ok and 0 <= value.get("count", -1) <= 9 else "schema not followed"
+    calls = choice["message"].get("tool_calls") or []
+    if choice["finish_reason"] != "tool_calls" or len(calls) != 1:
+        return "the required tool call is missing"
+    args = json.loads(calls[0]["function"]["arguments"])
+    return None if args.get("city") in ("Paris", "Oslo") else "arguments not followed"
+
+
 class HttpActor:
     def __init__(self, url: str, api_key: str, tally: Tally, seed: int) -> None:
         self.url = url
@@ -188,6 +216,8 @@ class HttpActor:
                         self.agent_request(http, stream=roll < 0.2)
                     elif roll < 0.28:
                         self.agent_malformed(http)
+                    elif roll < 0.34:
+                        self.constrained_request(http)
                     else:
                         self.one_request(http, stream=roll < 0.6)
                 except httpx.HTTPError as exc:
@@ -303,9 +333,37 @@ class HttpActor:
             return
         self.tally.add("http_agent_stream_completed")
 
+    def constrained_request(self, http: httpx.Client) -> None:
+        """What agents send to chat completions: a JSON schema or a forced tool call. A reply
+        that ended on its own must be what was asked for."""
+        kind = self.rng.choice(("schema", "tool"))
+        body: dict = {"messages": _prompt(self.rng), "max_tokens": 48}
+        if kind == "schema":
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "pick", "schema": AGENT_SCHEMA}}
+            body["seed"] = self.rng.randrange(1000)
+        else:
+            body |= {"tools": [AGENT_TOOL], "tool_choice": "required",
+                     "parallel_tool_calls": False}  # fmt: skip
+        r = http.post("/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            self.tally.fail(f"http {kind}: {r.status_code} {r.text[:200]}")
+            return
+        out = r.json()
+        why = _constrained_reply_problem(kind, out["choices"][0])
+        if why:
+            self.tally.fail(f"http {kind}: {why}: {json.dumps(out)[:300]}")
+            return
+        self.tally.add("http_constrained_completed", tokens=out["usage"]["completion_tokens"])
+
     def agent_malformed(self, http: httpx.Client) -> None:
         """Each answered with a 400 in its API's own error shape."""
+        msgs = [{"role": "user", "content": "hi"}]
         cases = [
+            ("/v1/chat/completions", {"messages": msgs, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": 7}}}),
+            ("/v1/chat/completions", {"messages": msgs, "tools": [AGENT_TOOL], "tool_choice": {
+                "type": "function", "function": {"name": "no_such_tool"}}}),
             ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}),
             ("/v1/responses", {"input": [{"type": "item_reference", "id": "x"}]}),
             ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}),  # no max_tokens

@@ -39,8 +39,12 @@ def test_soak_holds_every_server_check(soak: dict) -> None:
     # Every kind of traffic really ran.
     for kind in ("zmq_completed", "zmq_aborted", "zmq_vanished", "zmq_malformed",
                  "http_completed", "http_stream_completed", "http_disconnected",
-                 "http_malformed", "control_limits"):  # fmt: skip
+                 "http_malformed", "http_constrained_completed", "control_limits"):  # fmt: skip
         assert outcomes.get(kind, 0) > 0, (kind, outcomes)
+    # the Responses and Messages APIs, streamed or not
+    agent_kinds = ("http_agent_completed", "http_agent_stream_completed")
+    agents = sum(outcomes.get(k, 0) for k in agent_kinds)
+    assert agents > 0, outcomes
 
 
 def test_the_attached_window_answered_throughout(soak: dict) -> None:
