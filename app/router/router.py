@@ -164,6 +164,8 @@ class DisaggRouter:
         messages: list[P.ChatMessage] | None = None,
         sampling: P.SamplingOptions | None = None,
         cache_salt: str | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> RoutedStream:
         sampling = sampling or P.SamplingOptions()
         if request_id in self.streams:
@@ -172,7 +174,10 @@ class DisaggRouter:
             raise EngineError(ERR_ENGINE_GONE, "neither the prefill nor the decode engine is up")
         stream = RoutedStream(self, request_id, sampling.n)
         self.streams[request_id] = stream
-        request = dict(prompt=prompt, messages=messages, cache_salt=cache_salt)
+        # both halves render the same prompt (tools and template arguments included), so the
+        # decode engine's prefix hashes match the blocks it pulls
+        request = dict(prompt=prompt, messages=messages, cache_salt=cache_salt, tools=tools,
+                       chat_template_kwargs=chat_template_kwargs)  # fmt: skip
         stream.task = asyncio.create_task(self._run(stream, request, sampling))
         return stream
 

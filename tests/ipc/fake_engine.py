@@ -65,6 +65,7 @@ class FakeEngine:
     ) -> None:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
+        prompt = getattr(prompt, "messages", prompt)  # a chat arrives as a ChatPrompt
         if not prompt:
             raise ValueError("prompt must not be empty")
         n_prompt = len(prompt)

@@ -127,7 +127,7 @@ DOC_NESTED_FIELDS = {
                   "model_id", "num_heads", "vocab_size", "attention_backend", "kv_pool_bytes",
                   "decode_weights", "cuda_graph_sizes", "kv_cache_dtype", "kv_host_bytes",
                   "kv_disk_bytes", "role", "kv_transfer_endpoint", "cache_identity",
-                  "kv_groups"},
+                  "kv_groups", "tool_parser", "reasoning_parser"},
     P.KVGroup: {"window", "layers"},
     P.KVTransferParams: {"do_remote_decode", "remote_endpoint", "remote_lease_id",
                          "block_hashes", "output_token_ids"},

@@ -109,11 +109,16 @@ def test_gemma3_folds_its_one_plus_weight_norms_and_scales():
 def test_fused_cpu_step_names_what_it_cannot_express():
     from engine_proc.executor.fused_decode import architecture_unsupported_reason
 
+    import dataclasses
+
     qwen3 = _engine("qwen3-mqa-tied").model_config
     gemma3 = _engine("gemma3-gqa-window8").model_config
-    assert architecture_unsupported_reason(qwen3) == "has no q/k norms (Qwen3ForCausalLM)"
-    why = architecture_unsupported_reason(gemma3)
-    assert why is not None and "sliding-window layers" in why and "gelu_tanh" in why
+    # both run fused now (tests/engine_proc/executor/test_fused_families.py)
+    assert architecture_unsupported_reason(qwen3) is None
+    assert architecture_unsupported_reason(gemma3) is None
+    capped = dataclasses.replace(gemma3, attn_logit_softcap=50.0, final_logit_softcap=30.0)
+    assert architecture_unsupported_reason(capped) == (
+        "has no attention logit soft-capping, final logit soft-capping (Gemma3ForCausalLM)")
 
 
 GGUF_LAYOUTS = ["qwen3-gqa-head_dim32", "qwen3-mqa-tied", "gemma3-gqa-window8",
