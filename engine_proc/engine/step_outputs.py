@@ -4,6 +4,8 @@ A mixin of LLMEngine (engine_proc/engine/llm_engine.py), which owns the state it
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine_proc.core.request import Sequence, SequenceStatus
@@ -13,8 +15,6 @@ from engine_proc.engine.parts import EngineParts
 from engine_proc.engine.telemetry_types import TokenEvent
 from engine_proc.executor.sampler import RawLogprobs, compute_logprobs, sample
 from engine_proc.outputs import RequestMetrics, RequestOutput, TokenLogprobs
-from engine_proc.structured.mask import apply_grammar_masks
-from engine_proc.structured.matcher import SeqGrammar
 
 
 class StepOutputs(EngineParts):
@@ -32,7 +32,7 @@ class StepOutputs(EngineParts):
         if len(rows) != len(sampling):
             logits = logits[torch.tensor(rows, device=logits.device)]
         params = [s.params for s in seqs]
-        grammars: list[SeqGrammar | None] = [s.grammar for s in seqs]  # type: ignore[misc]
+        grammars: list[Any] = [s.grammar for s in seqs]  # SeqGrammar or None
         chosen_from = logits
         if any(g is not None for g in grammars):
             # Sample from masked logits. The runner's logits are this step's own tensor, so they
@@ -41,6 +41,9 @@ class StepOutputs(EngineParts):
             pairs = zip(grammars, params, strict=True)
             if any(g is not None and p.logprobs is not None for g, p in pairs):
                 chosen_from = logits.clone()
+            # xgrammar loads with the first grammar: engines that never see one skip its import
+            from engine_proc.structured.mask import apply_grammar_masks
+
             apply_grammar_masks(chosen_from, grammars)
         tokens = sample(
             chosen_from,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_proc.core.request import Sequence
-from engine_proc.structured.compiler import GrammarCompiler
-from engine_proc.structured.grammar import tokenizer_info
-from engine_proc.structured.matcher import SeqGrammar
+
+if TYPE_CHECKING:
+    from engine_proc.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ class StructuredOutputs:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:  # engines that never see a grammar start no thread
+            # and never import xgrammar (~0.4 s of every engine start otherwise)
+            from engine_proc.structured.compiler import GrammarCompiler
+            from engine_proc.structured.grammar import tokenizer_info
+
             self._compiler = GrammarCompiler(
                 lambda: tokenizer_info(self._tokenizer, self._vocab_size, self._eos)
             )
@@ -59,7 +63,7 @@ class StructuredOutputs:
             return False
         if done.error is not None:
             raise ValueError(done.error)
-        seq.grammar = SeqGrammar.start(so.kind, done.grammar, seq.output_token_ids)
+        seq.grammar = _start(so.kind, done.grammar, seq.output_token_ids)
         return True
 
     def poll(self) -> Admission:
@@ -75,7 +79,7 @@ class StructuredOutputs:
                 out.refused.append((rid, done.error))
                 continue
             seq = parked.seq
-            seq.grammar = SeqGrammar.start(so.kind, done.grammar, seq.output_token_ids)
+            seq.grammar = _start(so.kind, done.grammar, seq.output_token_ids)
             out.ready.append(seq)
         return out
 
@@ -91,3 +95,9 @@ class StructuredOutputs:
     def close(self) -> None:
         if self._compiler is not None:
             self._compiler.close()
+
+
+def _start(kind: str, grammar: Any, output_token_ids: list[int]) -> Any:
+    from engine_proc.structured.matcher import SeqGrammar
+
+    return SeqGrammar.start(kind, grammar, output_token_ids)

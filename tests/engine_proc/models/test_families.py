@@ -107,9 +107,9 @@ def test_gemma3_folds_its_one_plus_weight_norms_and_scales():
 
 
 def test_fused_cpu_step_names_what_it_cannot_express():
-    from engine_proc.executor.fused_decode import architecture_unsupported_reason
-
     import dataclasses
+
+    from engine_proc.executor.fused_decode import architecture_unsupported_reason
 
     qwen3 = _engine("qwen3-mqa-tied").model_config
     gemma3 = _engine("gemma3-gqa-window8").model_config
