@@ -21,6 +21,7 @@ Dequantizing the default GGUF takes seconds; load_engine_checkpoint caches the r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import pickle
@@ -145,7 +146,18 @@ def _build(config: Any, args: argparse.Namespace, ckpt: Any = None) -> Any:
 
     if ckpt is None:
         ckpt = load_engine_checkpoint(args.model, args.dtype, args.cache_dir)
-    return LLMEngine(config, checkpoint=ckpt)
+    engine = LLMEngine(config, checkpoint=ckpt)
+    groups = engine.kv_layout.num_groups
+    if groups > 1 and args.kv_blocks is None and config.num_kv_blocks is not None:
+        # A hybrid KV cache (sliding-window layers) keeps one table per group of layers: the
+        # pool sized for one table holds a request in each, plus each sliding group's reserve.
+        chunk = config.long_prefill_chunk or config.max_num_batched_tokens
+        reserve = sum(-(-(window + chunk) // engine.block_size) + 1
+                      for window in engine.kv_layout.windows[1:])  # as max_total_tokens counts
+        config = dataclasses.replace(config,
+                                     num_kv_blocks=config.num_kv_blocks * groups + reserve)
+        engine = LLMEngine(config, checkpoint=ckpt)
+    return engine
 
 
 def _warm_up(engine: Any, short: bool) -> None:

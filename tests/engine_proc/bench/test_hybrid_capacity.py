@@ -28,3 +28,24 @@ def test_the_hybrid_pool_runs_the_chats_its_layout_predicts():
     # the chunk, so the pool reaches the decoding count (with whole 256-token chunks it stops at 3)
     assert hybrid.peak_decoding == pages // per_chat == 2 * kept.peak_decoding
     assert hc.layer_tokens_per_chat(G, CONTEXT, True) == (2 * 16 + 4 * 3) * 16
+
+
+def test_the_benchmark_worker_sizes_a_hybrid_pool_for_every_request_at_once():
+    """engine_proc/bench/kvscope.py sizes the pool to hold a workload's requests at full length
+    together; a hybrid cache keeps a table per group of layers (and a reserve per sliding
+    group), so one table's worth would not even fit one request."""
+    import argparse
+
+    from engine_proc.bench import kvscope as kb
+
+    checkpoint = hc.random_checkpoint(hc.gemma3_shaped(G, CONTEXT))
+    reqs = [{"prompt": list(range(3, 32)), "max_tokens": 128} for _ in range(4)]
+    args = argparse.Namespace(model="unused", dtype="float32", threads=1, device="cpu",
+                              kv_blocks=None, cache_dir=None)  # fmt: skip
+    config = kb.engine_config_for("kvscope", {"requests": reqs}, args)
+    engine = kb._build(config, args, checkpoint)
+    groups = engine.kv_layout.num_groups
+    assert groups > 1
+    per_table = -(-(29 + 128) // engine.block_size)  # recounted: blocks of one request's table
+    assert engine.max_total_tokens >= 29 + 128
+    assert engine.num_blocks >= len(reqs) * per_table * groups
