@@ -61,6 +61,10 @@ class DemoLink(QObject):
                         origin="gui")
         self.chats[request_id] = _REPLY.split(" ")[: int(sampling.get("max_tokens", 64))]
 
+    def tokenize(self, request_id: str, text: str) -> bool:
+        """No tokenizer in the demo: no answer, and False tells the caller to estimate."""
+        return False
+
     def abort(self, request_id: str) -> None:
         if request_id in self.chats:
             self.chats.pop(request_id)

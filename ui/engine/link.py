@@ -34,7 +34,7 @@ LOST_AFTER_FRAMES = 40  # ~2 s of telemetry at 20 Hz; a finished request's Finis
 class EngineLink(QObject):
     connected = Signal(object)  # ipc.protocol.Welcome
     connect_failed = Signal(str)
-    replies = Signal(list)  # Delta / Finish / Error of the GUI's own (non-load) requests
+    replies = Signal(list)  # Delta / Finish / Error of the GUI's chats, Tokenized of its counts
     frames = Signal(list)  # list[Frame], every telemetry snapshot since the last batch
     control_reply = Signal(object)  # ControlAck, or Error carrying a control_id
     load_stats = Signal(dict)
@@ -59,6 +59,7 @@ class EngineLink(QObject):
         os.set_blocking(self._wake_r, False)
         self._thread: threading.Thread | None = None
         self._chat_ids: set[str] = set()  # GUI requests in flight, as the worker sees them
+        self._token_ids: set[str] = set()  # tokenize requests not yet answered
         self._ids = 0
         # request id -> consecutive telemetry frames without it (see _find_lost)
         self._absent: dict[str, int] = {}
@@ -90,6 +91,13 @@ class EngineLink(QObject):
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def tokenize(self, request_id: str, text: str) -> bool:
+        """Ask the engine for `text`'s tokens (no BOS: a fragment of a message); the `Tokenized`
+        (or an Error) comes back through `replies` under `request_id`. True: an answer will come
+        (the demo link's returns False)."""
+        self._send(("tokenize", request_id, text))
+        return True
 
     def control(self, op: str, **fields: Any) -> str:
         self._ids += 1
@@ -213,6 +221,10 @@ class EngineLink(QObject):
                     conn.submit_generate(rid, messages=messages, sampling=sampling)
                 elif kind == "abort":
                     conn.submit_abort(cmd[1])
+                elif kind == "tokenize":
+                    _, rid, text = cmd
+                    self._token_ids.add(rid)
+                    conn.send(P.Tokenize(request_id=rid, prompt=text, add_special_tokens=False))
                 elif kind == "control":
                     _, op, control_id, fields = cmd
                     conn.submit_control(op, control_id, **fields)
@@ -227,12 +239,13 @@ class EngineLink(QObject):
                     self.load_stats.emit(gen.stats.as_dict() | {"running": False})
             except (ValueError, zmq.ZMQError, TypeError) as exc:
                 # a bad request must come back as an error, not kill the worker
-                rid = cmd[1] if kind in ("generate", "abort") else None
+                rid = cmd[1] if kind in ("generate", "abort", "tokenize") else None
                 cid = cmd[2] if kind == "control" else None
                 err = P.Error(code=P.ERR_INVALID_MESSAGE, message=str(exc), request_id=rid,
                               control_id=cid)
-                if kind == "generate":
+                if kind in ("generate", "tokenize"):
                     self._chat_ids.discard(rid)
+                    self._token_ids.discard(rid)
                     self.replies.emit([err])
                 elif kind == "control":
                     self.control_reply.emit(err)
@@ -290,6 +303,10 @@ class EngineLink(QObject):
                     replies.append(msg)
                     if isinstance(msg, P.Finish):
                         self._chat_ids.discard(msg.request_id)
+            elif isinstance(msg, P.Tokenized):
+                if msg.request_id in self._token_ids:
+                    self._token_ids.discard(msg.request_id)
+                    replies.append(msg)
             elif isinstance(msg, P.ControlAck):
                 if msg.control_id != TREE_REPLAY_ID:
                     self.control_reply.emit(msg)
@@ -298,6 +315,9 @@ class EngineLink(QObject):
                     log.info("no KV event replay from this engine: %s", msg.message)
                 elif msg.control_id:
                     self.control_reply.emit(msg)
+                elif msg.request_id in self._token_ids:
+                    self._token_ids.discard(msg.request_id)
+                    replies.append(msg)
                 elif msg.request_id in self._chat_ids:
                     if msg.code != P.ERR_UNKNOWN_REQUEST:
                         self._chat_ids.discard(msg.request_id)

@@ -34,7 +34,9 @@ class TelemetryFeed(QObject):
 
     def on_replies(self, msgs: list) -> None:
         t0 = time.perf_counter()
-        self.w.chat.on_replies(msgs)
+        msgs = self.w.token_counter.take_replies(msgs)  # Tokenized: the counter asked for them
+        if msgs:
+            self.w.chat.on_replies(msgs)
         self.w.perf["replies"].append(time.perf_counter() - t0)
 
     def on_frames(self, frames: list[Frame]) -> None:

@@ -31,6 +31,7 @@ from app.supervisor import EngineSupervisor
 from ui.charts.engine import ChartsWidget
 from ui.charts.experts import ExpertRoutingView
 from ui.chat.panel import ChatPanel
+from ui.chat.token_counter import TokenCounter
 from ui.engine.link import EngineLink
 from ui.kv.block_map import BlockMapWidget
 from ui.kv.prefix_tree import PrefixTreePanel
@@ -102,6 +103,7 @@ class WindowHost(Protocol):
     perf: dict[str, collections.deque[float]]
     # panels
     chat: ChatPanel
+    token_counter: TokenCounter
     block_map: BlockMapWidget
     prefix_tree: PrefixTreePanel
     expert_view: ExpertRoutingView

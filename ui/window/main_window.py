@@ -56,6 +56,7 @@ from ui import theme
 from ui.charts.engine import ChartsWidget
 from ui.charts.experts import ExpertRoutingView
 from ui.chat.panel import ChatPanel
+from ui.chat.token_counter import TokenCounter
 from ui.engine.link import EngineLink
 from ui.kv.block_map import BlockMapWidget
 from ui.kv.prefix_tree import PrefixTreePanel
@@ -120,6 +121,8 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("KVScope")
 
         self.chat = ChatPanel(store, load_sampling(settings))
+        # token counts of attachments (ui/chat/attachment_bar.py); its replies come in feed.py
+        self.token_counter = TokenCounter(self._tokenize, parent=self)
         self.block_map = BlockMapWidget()
         self.prefix_tree = PrefixTreePanel()
         self.expert_view = ExpertRoutingView()  # its tab is shown for routed-experts models
@@ -341,6 +344,12 @@ class MainWindow(QMainWindow):
             self.chat.interrupt_all("no engine")
             return
         self.link.generate(rid, messages, sampling)
+
+    def _tokenize(self, rid: str, text: str) -> bool:
+        """TokenCounter's `send`: False (estimate) when the link has no tokenizer to ask (a
+        remote HTTP server, the demo, no link)."""
+        tokenize = getattr(self.link, "tokenize", None)
+        return bool(tokenize is not None and tokenize(rid, text))
 
     def _on_abort(self, rid: str) -> None:
         if self.link is not None:
