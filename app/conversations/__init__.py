@@ -1,13 +1,16 @@
-"""Conversations: the chat history the GUI shows, saved as one JSON file per conversation."""
+"""Conversations: the chat history the GUI shows, as trees of messages (edits and regenerated
+replies are branches), saved one JSON file per conversation; plus Markdown / OpenAI-format
+export and import, search across every branch, and system-prompt presets. No Qt here.
 
-from app.conversations.model import (
-    DEFAULT_SYSTEM_PROMPT,
-    FORMAT_VERSION,
-    ROLES,
-    Conversation,
-    ConversationStore,
-    Message,
-)
+model.py     Message, Conversation (the tree and the branch on screen)
+store.py     ConversationStore and the file format (version 2; version 1 still opens)
+exchange.py  to_markdown, to_openai_messages, from_openai_messages
+search.py    search -> SearchHit
+presets.py   Preset, PresetStore (presets.json)
+"""
+
+from app.conversations.model import DEFAULT_SYSTEM_PROMPT, ROLES, Conversation, Message
+from app.conversations.store import FORMAT_VERSION, ConversationStore
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
