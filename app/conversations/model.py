@@ -178,17 +178,6 @@ class Conversation:
                 return first[:40] + ("…" if len(first) > 40 else "")
         return self.title
 
-    def to_json(self) -> dict:
-        from app.conversations.store import to_json  # the file format lives with the store
-
-        return to_json(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> Conversation:
-        from app.conversations.store import from_json
-
-        return from_json(d)
-
     # --- changing -----------------------------------------------------------------------------
 
     def append(self, msg: Message) -> Message:
