@@ -20,16 +20,15 @@ from tests.ui.conftest import DictSettings
 def test_conversations_round_trip_and_bad_files(tmp_path):
     store = ConversationStore(tmp_path)
     c = Conversation(title="naïve ünïcode ✓", system_prompt="be brief")
-    c.messages += [Message("user", "hello"),
-                   Message("assistant", "hi", stats={"ttft": 0.1, "prompt_tokens": 5},
-                           interrupted=True)]
+    c.append(Message("user", "hello"))
+    c.append(Message("assistant", "hi", stats={"ttft": 0.1, "prompt_tokens": 5}, interrupted=True))
     c.draft = "half-typed"
     store.save(c)
     (tmp_path / "broken.json").write_text("{not json")
     (loaded,) = store.load_all()
     assert loaded == c
     assert (tmp_path / "broken.json.bad").exists()  # set aside, not fatal
-    assert json.loads((tmp_path / f"{c.id}.json").read_text())["version"] == 1
+    assert json.loads((tmp_path / f"{c.id}.json").read_text())["version"] == 2
     assert loaded.to_prompt() == [{"role": "system", "content": "be brief"},
                                   {"role": "user", "content": "hello"},
                                   {"role": "assistant", "content": "hi"}]

@@ -49,7 +49,7 @@ def test_disk_full_while_sending_keeps_the_text_and_the_file(
 def test_a_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
     store = ConversationStore(tmp_path)
     conv = Conversation(title="kept")
-    conv.messages.append(Message("user", "first"))
+    conv.append(Message("user", "first"))
     store.save(conv)
     before = store.path_for(conv.id).read_bytes()
 
@@ -58,7 +58,7 @@ def test_a_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(json, "dump", half_then_full)
-    conv.messages.append(Message("user", "second"))
+    conv.append(Message("user", "second"))
     with pytest.raises(OSError):
         store.save(conv)
     assert store.path_for(conv.id).read_bytes() == before
@@ -68,7 +68,7 @@ def test_a_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
 def test_a_corrupt_conversation_is_listed_as_unreadable_and_the_others_load(qtbot, tmp_path):
     store = ConversationStore(tmp_path)
     good = Conversation(title="good one")
-    good.messages.append(Message("user", "hello"))
+    good.append(Message("user", "hello"))
     store.save(good)
     (tmp_path / "broken.json").write_text('{"id": "broken", "messages": [')
     panel = ChatPanel(ConversationStore(tmp_path), SamplingDefaults())

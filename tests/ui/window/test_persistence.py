@@ -19,8 +19,8 @@ def test_conversations_survive_an_app_restart(qtbot, tmp_path):
     qtbot.addWidget(w)
     chat = w.chat
     first = chat.current
-    first.messages += [Message("user", "question one"), Message("assistant", "answer one",
-                                                                 stats={"ttft": 0.2})]
+    first.append(Message("user", "question one"))
+    first.append(Message("assistant", "answer one", stats={"ttft": 0.2}))
     chat.rename_conversation(first.id, "Renamed chat")
     second = chat.new_conversation()
     chat.system_edit.setPlainText("You are terse.")
