@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import math
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QLabel, QSizePolicy, QToolButton, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QSizePolicy,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.conversations import Message
 from ui import theme
+from ui.chat.answer_view import CURSOR, AnswerView
 from ui.chat.thinking import split_thinking
+
+# Replies render as Markdown; False gives the plain-text label it replaced (ui/chat/bench_stream.py
+# flips it to time both in one process).
+MARKDOWN = True
+RENDER_INTERVAL_MS = 50  # a streaming reply re-renders at most this often (~20 times a second)
 
 ROLE_STYLE = {
     "user": ("You", "#2a3342"),
@@ -55,16 +70,27 @@ def thinking_title(stats: dict, thinking_now: bool) -> str:
 
 
 class MessageView(QFrame):
-    """One turn: role header, (replies) a collapsible dimmed thinking block, the text, and (for
-    replies) the stats line. The block is open while the model thinks and closes once when the
-    answer starts; the user may open it again."""
+    """One turn: role header with a Copy button, (replies) a collapsible dimmed thinking block,
+    the text, and (for replies) the stats line. The block is open while the model thinks and
+    closes once when the answer starts; the user may open it again.
+
+    A reply's answer is Markdown (ui/chat/answer_view.py); a user's text stays literal. While a
+    reply streams, `refresh(streaming=True)` only marks it dirty and a single-shot timer renders
+    it (at most every RENDER_INTERVAL_MS); `refresh()` renders at once, so the final text is
+    exact."""
 
     def __init__(self, msg: Message, parent: QWidget | None = None,
-                 thinking_opens_reply: bool = False) -> None:  # fmt: skip
+                 thinking_opens_reply: bool = False, markdown: bool | None = None) -> None:
         super().__init__(parent)
         self.msg = msg
         self.thinking_opens_reply = thinking_opens_reply  # the prompt opened <think> already
+        self.markdown = (MARKDOWN if markdown is None else markdown) and msg.role == "assistant"
+        self.render_count = 0
         self._closed_once = False
+        self._render_timer = QTimer(self)
+        self._render_timer.setSingleShot(True)
+        self._render_timer.setInterval(RENDER_INTERVAL_MS)
+        self._render_timer.timeout.connect(lambda: self._render(streaming=True))
         name, bg = ROLE_STYLE.get(msg.role, (msg.role, "#23272f"))
         self.setObjectName("msg")
         self.setStyleSheet(f"QFrame#msg {{ background: {bg}; border-radius: 6px; }}")
@@ -74,6 +100,17 @@ class MessageView(QFrame):
         head = QLabel(name)
         head.setStyleSheet(f"color: {theme.ACCENT if msg.role == 'user' else '#9fd39f'};"
                            "font-weight: bold;")
+        self.copy_btn = QToolButton()
+        self.copy_btn.setText("Copy")
+        self.copy_btn.setAutoRaise(True)
+        self.copy_btn.setToolTip("Copy this message's text")
+        self.copy_btn.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
+        self.copy_btn.clicked.connect(self.copy_text)
+        head_row = QHBoxLayout()
+        head_row.setContentsMargins(0, 0, 0, 0)
+        head_row.addWidget(head)
+        head_row.addStretch(1)
+        head_row.addWidget(self.copy_btn)
         self.think_toggle = QToolButton()
         self.think_toggle.setCheckable(True)
         self.think_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
@@ -87,15 +124,11 @@ class MessageView(QFrame):
         self.think_text.setStyleSheet(
             f"color: {theme.MUTED}; font-style: italic; border-left: 2px solid {theme.MUTED};"
             " padding-left: 6px;")
-        self.text = QLabel()
-        self.text.setTextFormat(Qt.TextFormat.PlainText)
-        self.text.setWordWrap(True)
-        self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.text.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
+        self.text: AnswerView | QLabel = AnswerView() if self.markdown else self._plain_label()
         self.stats = QLabel()
         self.stats.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
         self.stats.setWordWrap(True)
-        lay.addWidget(head)
+        lay.addLayout(head_row)
         lay.addWidget(self.think_toggle)
         lay.addWidget(self.think_text)
         lay.addWidget(self.text)
@@ -104,15 +137,51 @@ class MessageView(QFrame):
         self.think_text.setVisible(False)
         self.refresh()
 
+    @staticmethod
+    def _plain_label() -> QLabel:
+        label = QLabel()
+        label.setTextFormat(Qt.TextFormat.PlainText)
+        label.setWordWrap(True)
+        label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        label.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
+        return label
+
+    @property
+    def render_pending(self) -> bool:
+        """A streamed change waits for the render timer."""
+        return self._render_timer.isActive()
+
     def refresh(self, streaming: bool = False) -> None:
+        if streaming and self.markdown:  # the plain label renders each change, as it always did
+            if not self._render_timer.isActive():
+                self._render_timer.start()
+            return
+        self._render_timer.stop()
+        self._render(streaming=False)
+
+    def answer(self) -> str:
+        """The message's own text: a reply's answer without its thinking block."""
+        if self.msg.role != "assistant":
+            return self.msg.content
+        return split_thinking(self.msg.content, self.thinking_opens_reply).answer
+
+    def copy_text(self) -> None:
+        QGuiApplication.clipboard().setText(self.answer())
+
+    def _render(self, streaming: bool) -> None:
+        self.render_count += 1
         if self.msg.role == "assistant":
             split = split_thinking(self.msg.content, self.thinking_opens_reply)
             answer = split.answer
             self._show_thinking(split.reasoning, split.thinking, streaming)
         else:
             answer = self.msg.content  # user text stays literal
-        self.text.setText(answer + (" ▍" if streaming else ""))
+        if isinstance(self.text, AnswerView):
+            self.text.set_markdown(answer, cursor=streaming)
+        else:
+            self.text.setText(answer + (CURSOR if streaming else ""))
         self.text.setVisible(bool(answer) or (streaming and not self.think_toggle.isChecked()))
+        self.copy_btn.setVisible(bool(answer) and not streaming)
         line = format_stats(self.msg.stats)
         if self.msg.interrupted:
             why = self.msg.stats.get("interrupted_by", "interrupted")

@@ -43,8 +43,9 @@ def test_send_stream_finish_regenerate(qtbot, tmp_path):
     assert p.current.title == "What is a block?"  # auto-titled from the first turn
     p.on_replies([_delta(rid, "A fixed"), _delta(rid, " slab.")])
     reply = p.current.messages[-1]
-    assert reply.content == "A fixed slab." and p._view_for(reply).text.text().startswith(
-        "A fixed slab.")
+    view = p._view_for(reply)
+    qtbot.waitUntil(lambda: not view.render_pending, timeout=2000)  # streaming renders coalesce
+    assert reply.content == "A fixed slab." and view.text.text().startswith("A fixed slab.")
     p.on_replies([_finish(rid)])
     assert not p.busy() and reply.stats["completion_tokens"] == 2
     line = p._view_for(reply).stats.text()

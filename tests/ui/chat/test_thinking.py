@@ -33,6 +33,11 @@ def _delta(rid: str, text: str, n: int = 1) -> P.Delta:
                    token_times=[0.0] * n, time=0.0)  # fmt: skip
 
 
+def _rendered(qtbot, view) -> None:
+    """A streaming reply renders on a timer (coalesced): wait for it."""
+    qtbot.waitUntil(lambda: not view.render_pending, timeout=2000)
+
+
 def _panel(qtbot, tmp_path) -> ChatPanel:
     p = ChatPanel(ConversationStore(tmp_path), SamplingDefaults(temperature=0.0, max_tokens=9))
     qtbot.addWidget(p)
@@ -49,12 +54,14 @@ def test_thinking_block_opens_while_thinking_and_closes_when_the_answer_starts(q
     p.on_replies([_delta(rid, t, n) for t, n in thinking])
     reply = p.current.messages[-1]
     view = p._view_for(reply)
+    _rendered(qtbot, view)
     assert not view.think_toggle.isHidden() and view.think_toggle.isChecked()
     assert not view.think_text.isHidden()
     assert view.think_text.text() == "\nDivisors of 7: only 1 and 7."
     assert view.think_toggle.text() == "Thinking… 9 tokens"
     assert "<think>" not in view.text.text()
     p.on_replies([_delta(rid, "\n</think>\n\n", 2), _delta(rid, "Yes, 7 is prime.", 4)])
+    _rendered(qtbot, view)
     assert not view.think_toggle.isChecked() and view.think_text.isHidden()
     assert view.text.text().startswith("Yes, 7 is prime.") and "think" not in view.text.text()
     assert reply.stats["thinking_tokens"] == 1 + 3 + 5 + 2  # every delta up to the marker's
@@ -75,6 +82,7 @@ def test_reply_without_thinking_has_no_block(qtbot, tmp_path):
     rid = p.send_current()
     p.on_replies([_delta(rid, "Hello there.")])
     view = p._view_for(p.current.messages[-1])
+    _rendered(qtbot, view)
     assert view.think_toggle.isHidden() and "thinking_tokens" not in view.msg.stats
 
 
@@ -85,6 +93,8 @@ def test_a_prompt_that_opens_the_block(qtbot, tmp_path):
     rid = p.send_current()
     p.on_replies([_delta(rid, "pondering", 2)])
     view = p._view_for(p.current.messages[-1])
+    _rendered(qtbot, view)
     assert view.think_toggle.isChecked() and view.think_text.text() == "pondering"
     p.on_replies([_delta(rid, "</think>Hi!", 2)])
+    _rendered(qtbot, view)
     assert view.text.text().startswith("Hi!") and not view.think_toggle.isChecked()
