@@ -41,6 +41,13 @@ def fence_for(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
+def attachment_block(name: str, text: str) -> str:
+    """How an attached file is written into the turn the model reads (the window counts its
+    tokens on exactly this text)."""
+    fence = fence_for(text)
+    return f"File: {name}\n{fence}\n{text if text.endswith(chr(10)) else text + chr(10)}{fence}"
+
+
 @dataclass(slots=True)
 class Message:
     role: str  # user | assistant (the system prompt lives on the conversation)
@@ -64,10 +71,7 @@ class Message:
     def prompt_text(self) -> str:
         """What the model reads: the typed text, then each attached file in a fenced block."""
         parts = [self.content] if self.content else []
-        for a in self.attachments:
-            text = a["text"] if a["text"].endswith("\n") else a["text"] + "\n"
-            fence = fence_for(a["text"])
-            parts.append(f"File: {a['name']}\n{fence}\n{text}{fence}")
+        parts += [attachment_block(a["name"], a["text"]) for a in self.attachments]
         return "\n\n".join(parts)
 
 

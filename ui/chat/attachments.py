@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from app.conversations import model
+from app.conversations.model import Message
 from ipc.protocol import MAX_CLIENT_MESSAGE_BYTES
 
 AttachmentKind = Literal["text", "pdf"]
@@ -171,12 +173,14 @@ def estimate_tokens(text: str) -> int:
 def attachment_block(a: Attachment) -> str:
     """How an attachment is written into the message the model sees (its tokens are counted on
     this text, so the count is what the message costs)."""
-    return f"--- file: {a.name} ---\n{a.text}\n--- end of {a.name} ---"
+    return model.attachment_block(a.name, a.text)
 
 
-def compose_message(typed: str, attachments: Iterable[Attachment]) -> str:
-    """The user turn's content: the attached files first, then what was typed."""
-    return "\n\n".join([*(attachment_block(a) for a in attachments), typed.strip()]).strip()
+def to_message(typed: str, attachments: Iterable[Attachment]) -> Message:
+    """The user turn: the typed text, the files kept beside it (shown as chips, sent after the
+    text by `Message.prompt_text`)."""
+    return Message("user", typed.strip(), attachments=[
+        {"name": a.name, "text": a.text, "tokens": a.tokens} for a in attachments])
 
 
 def context_warning(history_tokens: int, attachment_tokens: int, typed_tokens: int,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QFrame,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 from app.conversations import Message
 from ui import theme
 from ui.chat.answer_view import CURSOR, AnswerView
+from ui.chat.branch_nav import BranchNav
 from ui.chat.thinking import split_thinking
 
 # Replies render as Markdown; False gives the plain-text label it replaced (ui/chat/bench_stream.py
@@ -49,6 +50,8 @@ def format_stats(stats: dict) -> str:
         parts.append(f"prompt {stats['prompt_tokens']}"
                      + (f" / cached {cached}" if cached is not None else "")
                      + f" / generated {stats.get('completion_tokens', 0)}")
+    if stats.get("forked_from") and stats.get("cached_tokens"):
+        parts.append(f"{stats['cached_tokens']} prompt tokens reused from the earlier branch")
     if stats.get("finish_reason"):
         parts.append(str(stats["finish_reason"]))
     if stats.get("error"):
@@ -77,7 +80,13 @@ class MessageView(QFrame):
     A reply's answer is Markdown (ui/chat/answer_view.py); a user's text stays literal. While a
     reply streams, `refresh(streaming=True)` only marks it dirty and a single-shot timer renders
     it (at most every RENDER_INTERVAL_MS); `refresh()` renders at once, so the final text is
-    exact."""
+    exact.
+
+    The header carries `‹ i/n ›` when the turn has sibling branches (`branch_step`) and, on a
+    user turn, Edit (`edit_requested`: the panel puts the text back in the input box)."""
+
+    branch_step = Signal(int)
+    edit_requested = Signal()
 
     def __init__(self, msg: Message, parent: QWidget | None = None,
                  thinking_opens_reply: bool = False, markdown: bool | None = None) -> None:
@@ -106,11 +115,27 @@ class MessageView(QFrame):
         self.copy_btn.setToolTip("Copy this message's text")
         self.copy_btn.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
         self.copy_btn.clicked.connect(self.copy_text)
+        self.branch_nav = BranchNav()
+        self.branch_nav.stepped.connect(self.branch_step.emit)
+        self.edit_btn = QToolButton(text="Edit", autoRaise=True)
+        self.edit_btn.setToolTip("Edit this message: sending it makes a new branch")
+        self.edit_btn.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
+        self.edit_btn.clicked.connect(self.edit_requested.emit)
+        self.edit_btn.setVisible(msg.role == "user")
         head_row = QHBoxLayout()
         head_row.setContentsMargins(0, 0, 0, 0)
         head_row.addWidget(head)
+        head_row.addWidget(self.branch_nav)
         head_row.addStretch(1)
+        head_row.addWidget(self.edit_btn)
         head_row.addWidget(self.copy_btn)
+        self.attachments_line = QLabel()
+        self.attachments_line.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
+        self.attachments_line.setWordWrap(True)
+        files = [a.get("name", "?") + (f" ({a['tokens']:,} tokens)" if a.get("tokens") else "")
+                 for a in msg.attachments]
+        self.attachments_line.setText("📎 " + " · ".join(files) if files else "")
+        self.attachments_line.setVisible(bool(files))
         self.think_toggle = QToolButton()
         self.think_toggle.setCheckable(True)
         self.think_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
@@ -132,10 +157,20 @@ class MessageView(QFrame):
         lay.addWidget(self.think_toggle)
         lay.addWidget(self.think_text)
         lay.addWidget(self.text)
+        lay.addWidget(self.attachments_line)
         lay.addWidget(self.stats)
         self.think_toggle.setVisible(False)
         self.think_text.setVisible(False)
         self.refresh()
+
+    def set_branch(self, index: int, count: int) -> None:
+        self.branch_nav.set_position(index, count)
+
+    def set_flash(self, on: bool) -> None:
+        """A search hit brought into view: outline it for a moment."""
+        bg = ROLE_STYLE.get(self.msg.role, ("", "#23272f"))[1]
+        border = f"border: 2px solid {theme.ACCENT};" if on else ""
+        self.setStyleSheet(f"QFrame#msg {{ background: {bg}; border-radius: 6px; {border} }}")
 
     @staticmethod
     def _plain_label() -> QLabel:

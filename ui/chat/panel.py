@@ -1,47 +1,53 @@
-"""The chat: conversations (renamable, deletable, saved), streamed replies, Stop, Regenerate, an
-editable system prompt, sampling controls, and per-reply stats (TTFT, tok/s, prompt / cached /
-generated tokens).
+"""The chat: conversations (renamable, deletable, searchable, saved), streamed replies, Stop,
+Regenerate, edit-and-branch, system-prompt presets, per-conversation sampling, and per-reply
+stats (TTFT, tok/s, prompt / cached / generated tokens).
 
 The panel never talks to the engine itself: it emits `submit(request_id, messages, sampling)` and
 `abort(request_id)`, and the main window feeds engine replies back through `on_replies`. Everything
 typed is saved (draft included) before any request leaves, so an engine crash loses nothing.
+
+Editing a user turn or regenerating a reply adds a sibling branch to the conversation's tree
+(app/conversations/model.py); `branch_sent(new request, request of the branch it forked from)`
+lets the block map show the KV blocks the two share.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
-    QAbstractItemView,
-    QDoubleSpinBox,
-    QFormLayout,
-    QGroupBox,
     QHBoxLayout,
     QLabel,
-    QListWidget,
     QListWidgetItem,
     QMessageBox,
     QPlainTextEdit,
     QPushButton,
-    QScrollArea,
-    QSpinBox,
     QSplitter,
     QVBoxLayout,
     QWidget,
 )
 
 from app.conversations import Conversation, ConversationStore, Message
+from app.conversations.presets import PresetStore
+from app.conversations.search import search as search_conversations
 from app.settings import SamplingDefaults
 from ui import theme
+from ui.chat.attachment_bar import AttachmentBar, accept_file_drops
+from ui.chat.attachments import context_warning, estimate_tokens, to_message
+from ui.chat.branching import forked_request
 from ui.chat.message_view import MessageView
-from ui.chat.thinking import split_thinking
+from ui.chat.presets_bar import PresetsBar
+from ui.chat.replies import ReplyTracker
+from ui.chat.sampling_box import SamplingBox
+from ui.chat.sidebar import ConversationSidebar
+from ui.chat.transcript import Transcript
 
 log = logging.getLogger(__name__)
+
 
 class _EnterFilter(QObject):
     """Enter sends, Shift+Enter inserts a newline."""
@@ -64,63 +70,49 @@ class ChatPanel(QWidget):
     submit = Signal(str, list, dict)  # request id, chat messages, sampling fields
     abort = Signal(str)
     conversation_selected = Signal(str, str)  # conversation id, its latest request id ("")
+    branch_sent = Signal(str, str)  # new request id, the request of the branch it forked from
 
     def __init__(self, store: ConversationStore, sampling: SamplingDefaults,
-                 parent: QWidget | None = None) -> None:
+                 parent: QWidget | None = None, presets: PresetStore | None = None) -> None:
         super().__init__(parent)
         self.store = store
         self.model_name = ""  # the engine's model (Welcome.model.name), saved with each turn
         self.convs: dict[str, Conversation] = {}
         self.current: Conversation | None = None
-        # rid -> (conv id, reply, {"n": tokens streamed so far})
-        self.active: dict[str, tuple[str, Message, dict]] = {}
+        self.replies = ReplyTracker()
+        self.active = self.replies.active  # rid -> (conv id, reply, timing)
+        self.last_request = self.replies.last_request  # conv id -> latest request id
         self.reasoning_open = False  # the model's prompt opens <think> (ModelInfo.reasoning_parser)
-        self.last_request: dict[str, str] = {}  # conv id -> latest request id
+        self.fork_of: dict[str, str] = {}  # request id -> the request of the branch it forked
         self.engine_ready = False
-        self._seq = itertools.count(1)
-        self._views: list[MessageView] = []
+        self.editing: Message | None = None  # the user turn an edit will branch from
         self._dirty: set[str] = set()
 
-        # conversation list
-        self.conv_list = QListWidget()
-        self.conv_list.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
-                                       | QAbstractItemView.EditTrigger.EditKeyPressed)
+        # conversation list, search, sampling
+        self.sidebar = ConversationSidebar(self._search)
+        self.conv_list = self.sidebar.list
         self.conv_list.currentItemChanged.connect(self._on_conv_changed)
         self.conv_list.itemChanged.connect(self._on_item_renamed)
-        new_btn = QPushButton("New")
-        new_btn.clicked.connect(lambda: self.new_conversation())
-        ren_btn = QPushButton("Rename")
-        ren_btn.clicked.connect(self._rename_current)
-        del_btn = QPushButton("Delete")
-        del_btn.clicked.connect(self._delete_current)
-        left = QWidget()
-        ll = QVBoxLayout(left)
-        ll.setContentsMargins(0, 0, 0, 0)
-        ll.addWidget(QLabel("Conversations"))
-        ll.addWidget(self.conv_list, 1)
-        row = QHBoxLayout()
-        for b in (new_btn, ren_btn, del_btn):
-            row.addWidget(b)
-        ll.addLayout(row)
-        ll.addWidget(self._sampling_box(sampling))
+        self.sidebar.new_requested.connect(lambda: self.new_conversation())
+        self.sidebar.rename_requested.connect(self._rename_current)
+        self.sidebar.delete_requested.connect(self._delete_current)
+        self.sidebar.jump.connect(self.jump_to)
+        self.sampling_box = SamplingBox(sampling)
+        self.sampling_box.changed.connect(self._on_sampling_changed)
+        for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+            setattr(self, name, getattr(self.sampling_box, name))  # tests and the window use them
+        self.sidebar.lay.addWidget(self.sampling_box)
 
-        # transcript
+        # system prompt and its presets, transcript
+        presets = presets or PresetStore(Path(store.directory).parent / "presets.json")
         self.system_edit = QPlainTextEdit()
         self.system_edit.setPlaceholderText("System prompt")
         self.system_edit.setMaximumHeight(52)
         self.system_edit.textChanged.connect(self._on_system_changed)
-        self.transcript = QWidget()
-        self.tlay = QVBoxLayout(self.transcript)
-        self.tlay.setContentsMargins(4, 4, 4, 4)
-        self.tlay.setSpacing(6)
-        self.tlay.addStretch(1)
-        self.scroll = QScrollArea()
-        self.scroll.setWidgetResizable(True)
-        self.scroll.setWidget(self.transcript)
-        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.scroll.verticalScrollBar().rangeChanged.connect(self._follow)
-        self._stick_to_bottom = True
-        self.scroll.verticalScrollBar().valueChanged.connect(self._on_scrolled)
+        self.presets_bar = PresetsBar(presets, self.system_edit.toPlainText)
+        self.presets_bar.chosen.connect(self._on_preset_chosen)
+        self.presets_bar.error.connect(self.notice_text)
+        self.transcript = Transcript(self._make_view)
 
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Message (Enter sends, Shift+Enter new line)")
@@ -134,24 +126,31 @@ class ChatPanel(QWidget):
         self.stop_btn.clicked.connect(self.stop_current)
         self.regen_btn = QPushButton("Regenerate")
         self.regen_btn.clicked.connect(self.regenerate)
+        self.attach_bar = AttachmentBar()
+        self.attach_bar.changed.connect(self._update_context_warning)
+        self._drops = accept_file_drops(self.input, self.attach_bar.add_paths)
+        self.max_model_len = 0  # the engine's context length (Welcome), for the warning
         self.notice = QLabel()
+        self.notice.setWordWrap(True)
         self.notice.setStyleSheet(f"color: {theme.MUTED};")
         btns = QVBoxLayout()
         for b in (self.send_btn, self.stop_btn, self.regen_btn):
             btns.addWidget(b)
-        in_row = QHBoxLayout()
-        in_row.addWidget(self.input, 1)
-        in_row.addLayout(btns)
+        self.in_row = QHBoxLayout()
+        self.in_row.addWidget(self.input, 1)
+        self.in_row.addLayout(btns)
         center = QWidget()
-        cl = QVBoxLayout(center)
+        self.center_lay = cl = QVBoxLayout(center)
         cl.setContentsMargins(0, 0, 0, 0)
+        cl.addWidget(self.presets_bar)
         cl.addWidget(self.system_edit)
-        cl.addWidget(self.scroll, 1)
+        cl.addWidget(self.transcript, 1)
         cl.addWidget(self.notice)
-        cl.addLayout(in_row)
+        cl.addWidget(self.attach_bar)
+        cl.addLayout(self.in_row)
 
         split = QSplitter(Qt.Orientation.Horizontal)
-        split.addWidget(left)
+        split.addWidget(self.sidebar)
         split.addWidget(center)
         split.setStretchFactor(0, 0)
         split.setStretchFactor(1, 1)
@@ -179,62 +178,44 @@ class ChatPanel(QWidget):
             self.conv_list.setCurrentRow(0)
         self._update_buttons()
 
-    # --- sampling ----------------------------------------------------------------------------
-    def _sampling_box(self, s: SamplingDefaults) -> QGroupBox:
-        box = QGroupBox("Sampling")
-        form = QFormLayout(box)
-        form.setContentsMargins(6, 10, 6, 4)
-        form.setVerticalSpacing(2)
-        self.temperature = QDoubleSpinBox(decimals=2, minimum=0.0, maximum=2.0, singleStep=0.05)
-        self.temperature.setValue(s.temperature)
-        self.temperature.setToolTip("0 = greedy")
-        self.top_p = QDoubleSpinBox(decimals=2, minimum=0.01, maximum=1.0, singleStep=0.05)
-        self.top_p.setValue(s.top_p)
-        self.top_k = QSpinBox(minimum=0, maximum=100000)
-        self.top_k.setValue(s.top_k)
-        self.top_k.setSpecialValueText("off")
-        self.max_tokens = QSpinBox(minimum=1, maximum=32768)
-        self.max_tokens.setValue(s.max_tokens)
-        self.seed = QSpinBox(minimum=-1, maximum=2**31 - 1)
-        self.seed.setValue(s.seed)
-        self.seed.setSpecialValueText("random")
-        for name, w in (("temperature", self.temperature), ("top-p", self.top_p),
-                        ("top-k", self.top_k), ("max tokens", self.max_tokens),
-                        ("seed", self.seed)):
-            form.addRow(name, w)
-        return box
+    def notice_text(self, text: str) -> None:
+        self.notice.setText(text)
 
+    # --- sampling and presets ------------------------------------------------------------------
     def sampling(self) -> SamplingDefaults:
-        return SamplingDefaults(
-            temperature=self.temperature.value(), top_p=self.top_p.value(),
-            top_k=self.top_k.value(), max_tokens=self.max_tokens.value(), seed=self.seed.value())
+        return self.sampling_box.values()
+
+    def _on_sampling_changed(self) -> None:
+        if self.current is not None:  # each conversation keeps its own settings
+            self.current.sampling = self.sampling_box.to_dict()
+            self._mark_dirty(self.current.id)
+
+    def _on_preset_chosen(self, name: str, prompt: str) -> None:
+        if self.current is None:
+            return
+        self.current.preset = name
+        if prompt != self.system_edit.toPlainText():
+            self.system_edit.setPlainText(prompt)  # saves it through _on_system_changed
+        self._mark_dirty(self.current.id)
 
     # --- conversations ----------------------------------------------------------------------
     def _add_item(self, conv: Conversation, top: bool = False) -> QListWidgetItem:
-        item = QListWidgetItem(conv.title)
-        item.setData(Qt.ItemDataRole.UserRole, conv.id)
-        item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
-        if conv.model:
-            item.setToolTip(f"model: {conv.model}")
-        self.conv_list.blockSignals(True)
-        if top:
-            self.conv_list.insertItem(0, item)
-        else:
-            self.conv_list.addItem(item)
-        self.conv_list.blockSignals(False)
-        return item
+        return self.sidebar.add_item(conv.id, conv.title,
+                                     f"model: {conv.model}" if conv.model else "", top)
 
     def _item_for(self, conv_id: str) -> QListWidgetItem | None:
-        for i in range(self.conv_list.count()):
-            item = self.conv_list.item(i)
-            if item.data(Qt.ItemDataRole.UserRole) == conv_id:
-                return item
-        return None
+        return self.sidebar.item_for(conv_id)
 
     def new_conversation(self, title: str = "New chat") -> Conversation:
         conv = Conversation(title=title)
         if self.current is not None:
             conv.system_prompt = self.current.system_prompt  # most people keep theirs
+            conv.preset = self.current.preset
+            conv.sampling = dict(self.current.sampling)
+        return self.add_conversation(conv)
+
+    def add_conversation(self, conv: Conversation) -> Conversation:
+        """A new or imported conversation, saved, listed first and shown."""
         self.convs[conv.id] = conv
         self.store.save(conv)
         item = self._add_item(conv, top=True)
@@ -252,23 +233,16 @@ class ChatPanel(QWidget):
             raise ValueError("a conversation title must not be empty")
         conv = self.convs[conv_id]
         conv.title = title
-        item = self._item_for(conv_id)
-        if item is not None and item.text() != title:
-            self.conv_list.blockSignals(True)
-            item.setText(title)
-            self.conv_list.blockSignals(False)
+        self.sidebar.set_title(conv_id, title)
         self.store.save(conv)
 
     def delete_conversation(self, conv_id: str) -> None:
-        for rid, (cid, _, _) in list(self.active.items()):
-            if cid == conv_id:
-                self.abort.emit(rid)
-                del self.active[rid]
+        for rid in self.replies.requests_of(conv_id):
+            self.abort.emit(rid)
+            del self.active[rid]
         conv = self.convs.pop(conv_id)
         self.store.delete(conv.id)
-        item = self._item_for(conv_id)
-        if item is not None:
-            self.conv_list.takeItem(self.conv_list.row(item))
+        self.sidebar.remove(conv_id)
         if not self.convs:
             self.current = None
             self.new_conversation()
@@ -292,20 +266,21 @@ class ChatPanel(QWidget):
             try:
                 self.rename_conversation(conv_id, item.text())
             except ValueError:
-                self.conv_list.blockSignals(True)
-                item.setText(self.convs[conv_id].title)
-                self.conv_list.blockSignals(False)
+                self.sidebar.set_title(conv_id, self.convs[conv_id].title)
 
     def _on_conv_changed(self, item: QListWidgetItem | None, _prev: Any = None) -> None:
         if self.current is not None:
             self._save_draft()
+        self.cancel_edit()
         conv_id = item.data(Qt.ItemDataRole.UserRole) if item is not None else None
         self.current = self.convs.get(conv_id) if conv_id else None
-        self._rebuild_transcript()
+        self._show_current()
         if self.current is not None:
             self.system_edit.blockSignals(True)
             self.system_edit.setPlainText(self.current.system_prompt)
             self.system_edit.blockSignals(False)
+            self.presets_bar.show_preset(self.current.preset)
+            self.sampling_box.set_from_dict(self.current.sampling)
             self.input.blockSignals(True)
             self.input.setPlainText(self.current.draft)
             self.input.blockSignals(False)
@@ -313,44 +288,118 @@ class ChatPanel(QWidget):
                                             self.last_request.get(self.current.id, ""))
         self._update_buttons()
 
-    def _rebuild_transcript(self) -> None:
-        for v in self._views:
-            v.setParent(None)
-            v.deleteLater()
-        self._views = []
-        if self.current is None:
-            return
-        streaming = {id(m) for _, m, _ in self.active.values()}
-        for m in self.current.messages:
-            self._append_view(m, streaming=id(m) in streaming)
-        self._stick_to_bottom = True
+    # --- search ---------------------------------------------------------------------------------
+    def _search(self, query: str) -> list:
+        hits = search_conversations(self.convs.values(), query)
+        for h in hits:  # the sidebar shows where each hit is
+            h.title = self.convs[h.conv_id].title
+        return hits
 
-    def _append_view(self, m: Message, streaming: bool = False) -> MessageView:
+    def jump_to(self, conv_id: str, message_id: str = "") -> bool:
+        """Show a conversation and, for a message hit, the branch holding it, scrolled to it."""
+        if conv_id not in self.convs:
+            return False
+        self.select_conversation(conv_id)
+        conv = self.convs[conv_id]
+        if not message_id or message_id not in conv.nodes:
+            return True
+        conv.select(message_id)
+        self._mark_dirty(conv_id)
+        self._show_current()
+        return self.transcript.reveal(conv.nodes[message_id])
+
+    # --- transcript and branches ---------------------------------------------------------
+    def _make_view(self, m: Message, streaming: bool) -> MessageView:
         v = MessageView(m, thinking_opens_reply=self.reasoning_open)
+        conv = self.current
+        if conv is not None and m.id in conv.nodes:
+            v.set_branch(*conv.branch_position(m))
+        v.branch_step.connect(lambda step, m=m: self.switch_branch(m, step))
+        v.edit_requested.connect(lambda m=m: self.start_edit(m))
         v.refresh(streaming)
-        self.tlay.insertWidget(self.tlay.count() - 1, v)
-        self._views.append(v)
         return v
 
     def _view_for(self, m: Message) -> MessageView | None:
-        for v in reversed(self._views):
-            if v.msg is m:
-                return v
-        return None
+        return self.transcript.view_for(m)
 
-    def _on_scrolled(self, value: int) -> None:
-        sb = self.scroll.verticalScrollBar()
-        self._stick_to_bottom = value >= sb.maximum() - 30
+    def _show_current(self) -> None:
+        self.transcript.show_messages(self.current.messages if self.current else [],
+                                      self.replies.streaming_ids())
 
-    def _follow(self, _lo: int, hi: int) -> None:
-        if self._stick_to_bottom:
-            self.scroll.verticalScrollBar().setValue(hi)
+    def switch_branch(self, m: Message, step: int) -> None:
+        conv = self.current
+        if conv is None or m.id not in conv.nodes or self.busy():
+            return  # a streaming reply stays on screen until it ends
+        try:
+            conv.switch_branch(m, step)
+        except ValueError as exc:
+            log.debug("no branch there: %s", exc)
+            return
+        self._mark_dirty(conv.id)
+        self._show_current()
+        self._update_buttons()
+
+    def start_edit(self, m: Message) -> None:
+        """Put a user turn in the input box; sending it makes a sibling branch (Esc cancels)."""
+        if self.current is None or m.role != "user" or self.busy():
+            return
+        self._save_draft()
+        self.editing = m
+        self.input.setPlainText(m.content)
+        self.notice.setText("Editing a message: Send makes a new branch from here "
+                            "(the old one stays, ‹ › switches) · Esc cancels")
+        self.focus_input()
+
+    def cancel_edit(self) -> None:
+        if self.editing is None:
+            return
+        self.editing = None
+        self.notice.setText("")
+        if self.current is not None:
+            self.input.setPlainText(self.current.draft)
+
+    def escape(self) -> None:
+        """Esc: clear the search, or cancel an edit, or stop the reply."""
+        if self.sidebar.search_edit.text():
+            self.sidebar.search_edit.clear()
+        elif self.editing is not None:
+            self.cancel_edit()
+        else:
+            self.stop_current()
+
+    def focus_input(self) -> None:
+        self.input.setFocus()
+        cursor = self.input.textCursor()
+        cursor.movePosition(cursor.MoveOperation.End)
+        self.input.setTextCursor(cursor)
+
+    def history_tokens(self) -> int:
+        """The current branch's tokens so far: the last reply's prompt plus what it generated
+        (the engine's own count), else an estimate of the whole prompt."""
+        path = self.current.messages if self.current else ()
+        for m in reversed(path):
+            if m.role == "assistant" and isinstance(m.stats.get("prompt_tokens"), int):
+                later = "\n".join(x.prompt_text() for x in path[path.index(m) + 1:])
+                return (m.stats["prompt_tokens"] + int(m.stats.get("completion_tokens") or 0)
+                        + estimate_tokens(later))
+        prompt = self.current.to_prompt() if self.current else []
+        return estimate_tokens("\n".join(p["content"] for p in prompt))
+
+    def _update_context_warning(self) -> None:
+        if self.max_model_len <= 0:
+            return
+        attached, _ = self.attach_bar.token_total()
+        self.attach_bar.set_warning(context_warning(
+            self.history_tokens(), attached, estimate_tokens(self.input.toPlainText()),
+            self.max_tokens.value(), self.max_model_len))
 
     # --- drafts and saving ------------------------------------------------------------------
     def _on_draft_changed(self) -> None:
-        if self.current is not None:
+        if self.current is not None and self.editing is None:
             self.current.draft = self.input.toPlainText()
             self._mark_dirty(self.current.id)
+        if self.attach_bar.attachments():
+            self._update_context_warning()
 
     def _on_system_changed(self) -> None:
         if self.current is not None:
@@ -359,7 +408,8 @@ class ChatPanel(QWidget):
 
     def _save_draft(self) -> None:
         assert self.current is not None
-        self.current.draft = self.input.toPlainText()
+        if self.editing is None:
+            self.current.draft = self.input.toPlainText()
         self._mark_dirty(self.current.id)
 
     def _mark_dirty(self, conv_id: str) -> None:
@@ -380,8 +430,7 @@ class ChatPanel(QWidget):
 
     # --- sending ----------------------------------------------------------------------------
     def busy(self, conv_id: str | None = None) -> bool:
-        cid = conv_id or (self.current.id if self.current else None)
-        return any(c == cid for c, _, _ in self.active.values())
+        return self.replies.busy(conv_id or (self.current.id if self.current else None))
 
     def set_engine_ready(self, ready: bool, notice: str = "") -> None:
         self.engine_ready = ready
@@ -397,21 +446,30 @@ class ChatPanel(QWidget):
         self.regen_btn.setEnabled(self.engine_ready and not busy and has_user)
 
     def send_current(self) -> str | None:
-        """Send what is in the input box; returns the request id (None when nothing was sent)."""
+        """Send what is in the input box (as a new branch when editing); returns the request id
+        (None when nothing was sent)."""
         if self.current is None:
             return None
         text = self.input.toPlainText().strip()
-        if not text or not self.engine_ready or self.busy():
+        if not (text or self.attach_bar.attachments()) or not self.engine_ready or self.busy():
             return None
-        conv = self.current
-        conv.messages.append(Message("user", text))
+        conv, edited = self.current, self.editing
+        turn = to_message(text, self.attach_bar.attachments())
+        if edited is not None:  # an edit changes the text; the files stay with the turn
+            turn.attachments = list(edited.attachments) + turn.attachments
+        if edited is not None and edited.id in conv.nodes:
+            conv.add_sibling(edited, turn)
+        else:
+            conv.append(turn)
         previous_model, conv.model = conv.model, self.model_name or conv.model
         try:  # the user's turn is on disk before the input box is cleared
             if conv.title == "New chat":
                 self.rename_conversation(conv.id, conv.auto_title())
             self.store.save(conv)
         except OSError as exc:
-            conv.messages.pop()
+            conv.remove_leaf(turn)
+            if edited is not None:
+                conv.select(edited.id)
             conv.model = previous_model
             log.error("could not save conversation %s: %s", conv.id, exc)
             self.notice.setText(
@@ -419,155 +477,86 @@ class ChatPanel(QWidget):
                 "your text is kept. Free some disk space and send again."
             )
             return None
-        conv.draft = ""
+        self.editing = None
+        self.notice.setText("")
         item = self._item_for(conv.id)
         if item is not None and conv.model:
             item.setToolTip(f"model: {conv.model}")
         self.input.blockSignals(True)
         self.input.clear()
         self.input.blockSignals(False)
-        self._append_view(conv.messages[-1])
+        self.attach_bar.clear()
+        if edited is not None:
+            self._show_current()  # the path changed below the edited turn
+        else:
+            self.transcript.append(turn)
         return self._start_reply(conv)
 
     def regenerate(self) -> str | None:
+        """A new reply to the last user turn, as a sibling of the current one (kept: ‹ ›)."""
         conv = self.current
         if conv is None or not self.engine_ready or self.busy():
             return None
-        while conv.messages and conv.messages[-1].role == "assistant":
-            conv.messages.pop()
-        if not conv.messages:
+        path = conv.messages
+        if not any(m.role == "user" for m in path):
             return None
-        self._rebuild_transcript()
-        return self._start_reply(conv)
+        old = path[-1] if path[-1].role == "assistant" else None
+        return self._start_reply(conv, sibling_of=old)
 
-    def _start_reply(self, conv: Conversation) -> str:
-        prompt = conv.to_prompt()
+    def _start_reply(self, conv: Conversation, sibling_of: Message | None = None) -> str:
         reply = Message("assistant", "")
-        conv.messages.append(reply)
+        if sibling_of is not None:
+            conv.add_sibling(sibling_of, reply)
+        else:
+            conv.append(reply)
+        prompt = conv.to_prompt()  # the new reply is empty, so not part of it
+        rid = self.replies.start(conv.id, reply)
+        reply.stats["request_id"] = rid
+        forked = forked_request(conv)
+        if forked:
+            reply.stats["forked_from"] = forked
+            self.fork_of[rid] = forked
         try:
             self.store.save(conv)
         except OSError as exc:  # the reply streams on; the periodic save tries again
             log.error("could not save conversation %s: %s", conv.id, exc)
             self._dirty.add(conv.id)
-        rid = f"chat-{conv.id}-{next(self._seq)}-{int(time.time() * 1000) % 100000}"
-        self.active[rid] = (conv.id, reply, {"n": 0})
-        self.last_request[conv.id] = rid
-        self._stick_to_bottom = True
-        self._append_view(reply, streaming=True)
-        self._move_to_top(conv.id)
+        self.transcript.stick_to_bottom = True
+        self._show_current() if sibling_of is not None else self.transcript.append(reply, True)
+        self.sidebar.move_to_top(conv.id, self.current is not None and self.current.id == conv.id)
         self.submit.emit(rid, prompt, self.sampling().to_wire())
         self.conversation_selected.emit(conv.id, rid)
+        if forked:
+            self.branch_sent.emit(rid, forked)
         self._update_buttons()
         return rid
-
-    def _move_to_top(self, conv_id: str) -> None:
-        item = self._item_for(conv_id)
-        if item is None or self.conv_list.row(item) == 0:
-            return
-        self.conv_list.blockSignals(True)
-        row = self.conv_list.row(item)
-        taken = self.conv_list.takeItem(row)
-        self.conv_list.insertItem(0, taken)
-        if self.current is not None and self.current.id == conv_id:
-            self.conv_list.setCurrentItem(taken)
-        self.conv_list.blockSignals(False)
 
     def stop_current(self) -> None:
         if self.current is None:
             return
-        for rid, (cid, _, _) in list(self.active.items()):
-            if cid == self.current.id:
-                self.abort.emit(rid)
+        for rid in self.replies.requests_of(self.current.id):
+            self.abort.emit(rid)
 
     # --- replies ------------------------------------------------------------------------------
     def on_replies(self, msgs: list[Any]) -> None:
         """Deltas, Finishes and Errors (ipc.protocol structs) for our requests."""
-        touched: set[str] = set()
-        for msg in msgs:
-            rid = getattr(msg, "request_id", None)
-            entry = self.active.get(rid) if rid else None
-            if entry is None:
-                continue
-            conv_id, reply, timing = entry
-            kind = type(msg).__name__
-            if kind == "Delta":
-                if msg.index != 0:
-                    continue
-                reply.content += msg.text
-                timing["n"] += len(msg.token_ids)
-                self._track_thinking(reply, timing, len(msg.token_ids))
-            elif kind == "Finish":
-                if msg.index != 0:
-                    continue
-                self._track_thinking(reply, timing, 0, finished=True)
-                thought = {k: v for k, v in reply.stats.items() if k.startswith("thinking_")}
-                reply.stats = thought | self._finish_stats(msg)
-                if msg.reason in ("abort", "error"):
-                    reply.interrupted = True
-                    reply.stats["interrupted_by"] = (
-                        "stopped" if msg.reason == "abort" else f"error: {msg.error or ''}")
-                del self.active[rid]
-            elif kind == "Error":
-                if getattr(msg, "code", "") == "unknown_request":
-                    continue  # an abort that raced the finish
-                reply.interrupted = True
-                why = ("interrupted: " + msg.message if msg.code == "engine_unreachable"
-                       else "engine refused the request")
-                reply.stats = dict(reply.stats) | {"error": f"[{msg.code}] {msg.message}",
-                                                   "interrupted_by": why}
-                del self.active[rid]
-            touched.add(rid)
+        changed = self.replies.apply(msgs, self.reasoning_open)
+        for rid, conv_id, reply in changed:
             self._mark_dirty(conv_id)
             if self.current is not None and self.current.id == conv_id:
                 v = self._view_for(reply)
                 if v is not None:
                     v.refresh(streaming=rid in self.active)
-        if touched:
+        if changed:
             self._update_buttons()
-
-    def _track_thinking(self, reply: Message, timing: dict, n: int,
-                        finished: bool = False) -> None:  # fmt: skip
-        """A reply's thinking tokens and time, into its stats: tokens counted while the block
-        is open, the time from its first token to the answer's start (or the reply's end)."""
-        if "thinking_s" in reply.stats:
-            return
-        split = split_thinking(reply.content, self.reasoning_open)
-        if split.reasoning is None:
-            return
-        now = time.monotonic()
-        t0 = timing.setdefault("think_t0", now)
-        reply.stats["thinking_tokens"] = reply.stats.get("thinking_tokens", 0) + n
-        if not split.thinking or finished:
-            reply.stats["thinking_s"] = now - t0
-
-    @staticmethod
-    def _finish_stats(msg: Any) -> dict:
-        """From an engine Finish, or a server's over HTTP (ui/remote/link.py), which may lack
-        usage (None) or cached tokens (usage.cached_tokens None)."""
-        u = msg.usage
-        n = u.completion_tokens if u is not None else 0
-        tok_s = None
-        if msg.tpot:
-            tok_s = 1.0 / msg.tpot
-        elif msg.e2e and msg.ttft is not None and n > 1 and msg.e2e > msg.ttft:
-            tok_s = (n - 1) / (msg.e2e - msg.ttft)
-        stats = {"ttft": msg.ttft, "tok_s": tok_s, "finish_reason": msg.reason, "e2e": msg.e2e}
-        if u is not None:
-            stats |= {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
-                      "completion_tokens": n}
-        return stats
 
     def interrupt_all(self, why: str) -> None:
         """The engine is gone: every streaming reply keeps its text and is marked interrupted."""
-        for _rid, (conv_id, reply, timing) in list(self.active.items()):
-            reply.interrupted = True
-            reply.stats = dict(reply.stats) | {"interrupted_by": why,
-                                              "completion_tokens": timing["n"]}
+        for conv_id, reply in self.replies.interrupt_all(why):
             self._mark_dirty(conv_id)
             v = self._view_for(reply)
             if v is not None:
                 v.refresh()
-        self.active.clear()
         self.flush_saves()
         self._update_buttons()
 

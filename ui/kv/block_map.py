@@ -1,7 +1,9 @@
 """The KV block map: one cell per physical block, drawn by one ImageItem with a discrete LUT.
 
 Cell colour = block state: empty, cached-evictable, in use (one colour per owning request), shared
-(ref count > 1). The request table lists live requests with their origin (the client that sent
+(ref count > 1). A chat branch selected (an edit or a regenerate, `show_fork`) draws the blocks it
+shares with the branch it was forked from in white: its prefix-cache hit, block by block. The
+request table lists live requests with their origin (the client that sent
 them: gui, load, http, ...). Selecting a request dims every block it does not hold and lists its
 block table (logical -> physical). Hovering a cell shows block id, state, ref count, owners with
 their origin, filled slots and the short prefix hash.
@@ -38,6 +40,7 @@ from ui.telemetry import BLOCK_CACHED, BLOCK_EMPTY, BLOCK_IN_USE, Frame, origin_
 # colour indices in the LUT
 GAP, EMPTY, CACHED, SHARED, REQ0 = 0, 1, 2, 3, 4
 NREQ = len(theme.REQUEST_COLOURS)
+FORK = REQ0 + NREQ
 DIM = 32  # index + DIM = the same colour, dimmed (not part of the selection)
 LUT_SIZE = 64
 CELL, PITCH = 6, 7  # pixels per cell, and per cell plus its gap (pools up to 4096 blocks)
@@ -54,7 +57,9 @@ TABLE_COLUMNS = ("request", "origin", "status", "prompt", "hit", "gen", "blocks"
 
 
 def _lut() -> np.ndarray:
-    base = [theme.BG, theme.EMPTY, theme.CACHED, theme.SHARED, *theme.REQUEST_COLOURS]
+    base = [theme.BG, theme.EMPTY, theme.CACHED, theme.SHARED, *theme.REQUEST_COLOURS,
+            theme.FORK]
+    assert len(base) <= DIM
     lut = np.zeros((LUT_SIZE, 4), np.uint8)
     lut[:, 3] = 255
     bg = np.array(theme.hex_rgb(theme.BG), float)
@@ -85,6 +90,8 @@ class BlockMapWidget(QWidget):
         self.highlight_rid: str | None = None
         self.highlight_blocks: set[int] = set()
         self.remembered: dict[str, tuple[list[int], list[int]]] = {}
+        self.forks: dict[str, str] = {}  # a chat branch's request -> the one it forked from
+        self.fork_blocks: set[int] = set()  # of the highlighted request, shared with its source
         self._slots: dict[str, int] = {}  # request id -> palette slot
         self._owners: dict[int, list[str]] = {}
         self._shape = (1, 1)
@@ -172,6 +179,11 @@ class BlockMapWidget(QWidget):
         self._dirty = True
         self.redraw()
 
+    def show_fork(self, rid: str, source_rid: str) -> None:
+        """Select a branch's request, marking the blocks it shares with `source_rid`'s."""
+        self.forks[rid] = source_rid
+        self.highlight_request(rid)
+
     def clear(self) -> None:
         self.frame = None
         self.image.clear()
@@ -197,13 +209,16 @@ class BlockMapWidget(QWidget):
                 idx[b] = REQ0 + self._slots.get(rids[0], 0)
         idx[shared] = SHARED
         self.colour_index = idx
-        self.highlight_blocks = self._highlighted(f)
+        self.highlight_blocks = self._blocks_of(f, self.highlight_rid)
+        source = self.forks.get(self.highlight_rid or "")
+        self.fork_blocks = (self.highlight_blocks & self._blocks_of(f, source)) if source else set()
         shown = idx.copy()
         if self.highlight_rid is not None:
             mask = np.ones(f.num_blocks, bool)
             hb = [b for b in self.highlight_blocks if 0 <= b < f.num_blocks]
             mask[hb] = False
             shown[mask] += DIM
+            shown[[b for b in self.fork_blocks if 0 <= b < f.num_blocks]] = FORK
         self._draw_cells(shown)
         self._set_legend({
             "empty": int(np.count_nonzero(f.state == BLOCK_EMPTY)),
@@ -251,8 +266,7 @@ class BlockMapWidget(QWidget):
                 self._slots[rid] = slot
                 used.append(slot)
 
-    def _highlighted(self, f: Frame) -> set[int]:
-        rid = self.highlight_rid
+    def _blocks_of(self, f: Frame, rid: str | None) -> set[int]:
         if rid is None:
             return set()
         for r in f.requests:
@@ -275,6 +289,9 @@ class BlockMapWidget(QWidget):
             else:
                 sw = f'<span style="color:{col}">■</span>'
             parts.append(f"{sw}&nbsp;{label}")
+        if self.fork_blocks:
+            parts.append(f'<span style="color:{theme.FORK}">■</span>&nbsp;shared with the '
+                         f"branch it forked from {len(self.fork_blocks)}")
         bs = f" &nbsp;·&nbsp; block = {self.frame.block_size} tokens" if self.frame else ""
         self.legend.setText("&nbsp;&nbsp;&nbsp;".join(parts) + bs)
 
@@ -325,6 +342,11 @@ class BlockMapWidget(QWidget):
         live = next((r for r in f.requests if r.request_id == rid), None)
         remembered = self.remembered.get(rid, ([], []))[0]
         text = detail_text(f, rid, live, remembered, self.highlight_blocks, self.vocab_size)
+        source = self.forks.get(rid)
+        if source:
+            n = len(self.fork_blocks)
+            text += (f"\nbranch of {source}: {n} block{'s' if n != 1 else ''} "
+                     f"({n * f.block_size} tokens) shared with it, drawn white")
         if text != self.block_table.toPlainText():
             self.block_table.setPlainText(text)
 

@@ -137,6 +137,7 @@ class EngineLifecycle(QObject):
         w.block_map.vocab_size = welcome.model.vocab_size
         w.chat.reasoning_open = welcome.model.reasoning_parser == "think_open"
         w.chat.model_name = welcome.model.name  # conversations record the model they ran on
+        w.chat.max_model_len = welcome.model.max_model_len  # the attachments' context warning
         w.status.show_tiers({})
         w.remote.set_controls_remote(None)
         w.controls.setEnabled(True)

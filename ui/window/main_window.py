@@ -55,6 +55,7 @@ from app.supervisor import EngineSupervisor
 from ui import theme
 from ui.charts.engine import ChartsWidget
 from ui.charts.experts import ExpertRoutingView
+from ui.chat.chat_menu import ChatMenu
 from ui.chat.panel import ChatPanel
 from ui.chat.token_counter import TokenCounter
 from ui.engine.link import EngineLink
@@ -123,6 +124,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatPanel(store, load_sampling(settings))
         # token counts of attachments (ui/chat/attachment_bar.py); its replies come in feed.py
         self.token_counter = TokenCounter(self._tokenize, parent=self)
+        self.chat.attach_bar.set_counter(self.token_counter)
         self.block_map = BlockMapWidget()
         self.prefix_tree = PrefixTreePanel()
         self.expert_view = ExpertRoutingView()  # its tab is shown for routed-experts models
@@ -143,6 +145,7 @@ class MainWindow(QMainWindow):
         self.chat.submit.connect(self._on_submit)
         self.chat.abort.connect(self._on_abort)
         self.chat.conversation_selected.connect(self._on_conversation_selected)
+        self.chat.branch_sent.connect(self._on_branch_sent)
         self.block_map.request_selected.connect(self.on_block_request_selected)
         self.controls.control.connect(self._on_control)
         self.load_panel.start.connect(self.start_load)
@@ -241,7 +244,7 @@ class MainWindow(QMainWindow):
         self.model_menu.add_file_menu(self.menuBar())
         menu = self.menuBar().addMenu("&Engine")
         restart = self.restart_action = QAction("&Restart engine", self)
-        restart.setShortcut(QKeySequence("Ctrl+Shift+R"))
+        restart.setShortcut(QKeySequence("Ctrl+Alt+R"))  # Ctrl+Shift+R regenerates a reply
         restart.triggered.connect(self.restart_engine)
         menu.addAction(restart)
         connect = self.connect_action = QAction("&Connect to server…", self)
@@ -262,6 +265,8 @@ class MainWindow(QMainWindow):
         api.triggered.connect(self.api_toggle.on_triggered)
         menu.addAction(api)
         menu.setToolTipsVisible(True)
+        self.chat_menu = ChatMenu(self.chat, self)
+        self.chat_menu.add_to(self.menuBar())
         self.update_menu()
 
     def update_menu(self) -> None:
@@ -365,6 +370,11 @@ class MainWindow(QMainWindow):
         self.want_highlight = None
         self.block_map.highlight_request(rid or None)
         self.prefix_tree.highlight_request(rid or None)
+
+    def _on_branch_sent(self, rid: str, source_rid: str) -> None:
+        """An edited or regenerated chat branch: the block map marks what it shares."""
+        if not self.source.is_remote:
+            self.block_map.show_fork(rid, source_rid)
 
     def sync_tree_wanted(self) -> None:
         """The link's worker lays the prefix tree out only while its tab is shown."""

@@ -15,10 +15,10 @@ from ui.chat.attachments import (
     AttachmentError,
     attachment_block,
     check_total,
-    compose_message,
     context_warning,
     estimate_tokens,
     read_attachment,
+    to_message,
 )
 
 CODE = 'def area(r: float) -> float:\n    """π r²"""\n    return 3.14159 * r * r  # café\n'
@@ -123,9 +123,10 @@ def test_estimate_and_message():
     assert estimate_tokens("") == 0
     assert estimate_tokens("abcd") == 1 and estimate_tokens("abcde") == 2
     a = Attachment(name="a.txt", text="alpha", kind="text", size=5)
-    assert attachment_block(a) == "--- file: a.txt ---\nalpha\n--- end of a.txt ---"
-    assert compose_message("  why?\n", [a]) == attachment_block(a) + "\n\nwhy?"
-    assert compose_message("hi", []) == "hi"
+    assert attachment_block(a) == "File: a.txt\n```\nalpha\n```"
+    turn = to_message("  why?\n", [a])
+    assert turn.content == "why?" and turn.prompt_text() == "why?\n\n" + attachment_block(a)
+    assert to_message("hi", []).prompt_text() == "hi"
 
 
 def test_context_warning_numbers():
