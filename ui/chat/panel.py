@@ -290,10 +290,9 @@ class ChatPanel(QWidget):
 
     # --- search ---------------------------------------------------------------------------------
     def _search(self, query: str) -> list:
+        """(conversation title, SearchHit) pairs: the sidebar shows where each hit is."""
         hits = search_conversations(self.convs.values(), query)
-        for h in hits:  # the sidebar shows where each hit is
-            h.title = self.convs[h.conv_id].title
-        return hits
+        return [(self.convs[h.conv_id].title, h) for h in hits]
 
     def jump_to(self, conv_id: str, message_id: str = "") -> bool:
         """Show a conversation and, for a message hit, the branch holding it, scrolled to it."""

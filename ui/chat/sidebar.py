@@ -35,14 +35,14 @@ class ConversationSidebar(QWidget):
     delete_requested = Signal()
     jump = Signal(str, str)  # conversation id, message id ("" = the conversation itself)
 
-    def __init__(self, search: Callable[[str], Iterable[Any]],
+    def __init__(self, search: Callable[[str], Iterable[tuple[str, Any]]],
                  parent: QWidget | None = None) -> None:  # fmt: skip
         super().__init__(parent)
         self._search = search
         self.search_edit = QLineEdit()
         self.search_edit.setPlaceholderText("Search chats (Ctrl+F)")
         self.search_edit.setClearButtonEnabled(True)
-        self.search_edit.textChanged.connect(lambda _t: self._search_timer.start())
+        self.search_edit.textChanged.connect(self._on_text)
         self.search_edit.returnPressed.connect(self._activate_first)
         self._search_timer = QTimer(self)  # search once typing pauses, not per key
         self._search_timer.setSingleShot(True)
@@ -136,6 +136,12 @@ class ConversationSidebar(QWidget):
             return
         super().keyPressEvent(ev)
 
+    def _on_text(self, text: str) -> None:
+        if text.strip():
+            self._search_timer.start()
+        else:
+            self.run_search()  # cleared: the list comes back at once
+
     def run_search(self) -> None:
         self._search_timer.stop()
         query = self.search_edit.text()
@@ -144,10 +150,10 @@ class ConversationSidebar(QWidget):
             return
         hits = list(self._search(query))
         self.results.clear()
-        for hit in hits:
+        for title, hit in hits:
             where = "title" if not hit.message_id else ("You" if hit.role == "user"
                                                         else "Assistant")
-            item = QListWidgetItem(f"{hit.title} · {where}\n{hit.snippet}")
+            item = QListWidgetItem(f"{title} · {where}\n{hit.snippet}")
             item.setData(HIT_ROLE, (hit.conv_id, hit.message_id or ""))
             item.setToolTip(hit.snippet)
             self.results.addItem(item)

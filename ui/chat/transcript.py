@@ -63,7 +63,7 @@ class Transcript(QScrollArea):
         self.column.layout().activate()  # geometry of freshly added views
         self.ensureWidgetVisible(v, 0, 40)
         v.set_flash(True)
-        QTimer.singleShot(FLASH_MS, lambda: v.set_flash(False) if v.parent() else None)
+        QTimer.singleShot(FLASH_MS, v, lambda: v.set_flash(False))  # dropped if v goes first
         return True
 
     def _on_scrolled(self, value: int) -> None:
