@@ -268,3 +268,44 @@ def test_decode_weights_menu_restarts_the_engine_with_int4(win, qtbot, monkeypat
     assert win.decode_weight_actions["dense"].isChecked()
     with pytest.raises(ValueError, match="decode weights must be one of"):
         win.set_decode_weights("int3")
+
+
+def test_an_edited_branch_takes_the_shared_history_from_the_prefix_cache(win, qtbot):
+    """Edit → send: the new branch's prompt-cache hit is the shared history's full blocks,
+    counted with the model's own tokenizer and chat template (transformers), and the block map
+    marks exactly those blocks as shared with the branch it forked from."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import tiny_model_dir
+
+    _greedy(win, 6)
+    _send(win, "Tell me about paged attention and its blocks of keys and values.")
+    conv = win.chat.current
+    qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
+    win.chat.input.setPlainText("And what does prefix caching add to that?")
+    old_rid = win.chat.send_current()
+    old_prompt = conv.to_prompt()  # the history the old reply answers (it is empty so far)
+    qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
+    forks: list = []
+    win.chat.branch_sent.connect(lambda rid, src: forks.append((rid, src)))
+    win.chat.start_edit(conv.messages[2])
+    win.chat.input.setPlainText("And what does chunked prefill change?")
+    rid = win.chat.send_current()
+    new_prompt = conv.to_prompt()
+    assert forks == [(rid, old_rid)]
+    qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
+    reply = conv.messages[-1]
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    old_ids, new_ids = (
+        tok(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False).input_ids for p in (old_prompt, new_prompt))
+    shared = next(i for i, (a, b) in enumerate(zip(old_ids, new_ids, strict=False)) if a != b)
+    bs = win.welcome.model.block_size
+    assert shared >= 2 * bs  # the test means something: whole blocks of history are shared
+    assert reply.stats["prompt_tokens"] == len(new_ids)
+    assert reply.stats["cached_tokens"] == shared // bs * bs
+    win.block_map.redraw(force=True)
+    assert win.block_map.highlight_rid == rid
+    assert len(win.block_map.fork_blocks) * bs == reply.stats["cached_tokens"]
+    assert "reused from the earlier branch" in win.chat._view_for(reply).stats.text()
