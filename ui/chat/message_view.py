@@ -19,9 +19,10 @@ from PySide6.QtWidgets import (
 from app.conversations import Message
 from ui import theme
 from ui.chat.answer_view import CURSOR, AnswerView
+from ui.chat.fit_label import FitLabel
 from ui.chat.thinking import split_thinking
 
-# Replies render as Markdown; False gives the plain-text label it replaced (ui/chat/bench_stream.py
+# Replies render as Markdown; False gives the plain-text view it replaced (ui/chat/bench_stream.py
 # flips it to time both in one process).
 MARKDOWN = True
 RENDER_INTERVAL_MS = 50  # a streaming reply re-renders at most this often (~20 times a second)
@@ -84,7 +85,9 @@ class MessageView(QFrame):
         super().__init__(parent)
         self.msg = msg
         self.thinking_opens_reply = thinking_opens_reply  # the prompt opened <think> already
-        self.markdown = (MARKDOWN if markdown is None else markdown) and msg.role == "assistant"
+        # rich: Markdown replies, self-sizing labels and coalesced streaming; else the old view
+        self.rich = MARKDOWN if markdown is None else markdown
+        self.markdown = self.rich and msg.role == "assistant"
         self.render_count = 0
         self._closed_once = False
         self._render_timer = QTimer(self)
@@ -117,17 +120,16 @@ class MessageView(QFrame):
         self.think_toggle.setAutoRaise(True)
         self.think_toggle.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
         self.think_toggle.toggled.connect(self._on_think_toggled)
-        self.think_text = QLabel()
-        self.think_text.setTextFormat(Qt.TextFormat.PlainText)
-        self.think_text.setWordWrap(True)
+        self.think_text = self._wrapped_label()
         self.think_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.think_text.setStyleSheet(
             f"color: {theme.MUTED}; font-style: italic; border-left: 2px solid {theme.MUTED};"
             " padding-left: 6px;")
-        self.text: AnswerView | QLabel = AnswerView() if self.markdown else self._plain_label()
-        self.stats = QLabel()
+        self.text: AnswerView | QLabel = AnswerView() if self.markdown else self._wrapped_label()
+        self.text.setTextInteractionFlags(self.text.textInteractionFlags()
+                                          | Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.stats = self._wrapped_label()
         self.stats.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
-        self.stats.setWordWrap(True)
         lay.addLayout(head_row)
         lay.addWidget(self.think_toggle)
         lay.addWidget(self.think_text)
@@ -137,12 +139,12 @@ class MessageView(QFrame):
         self.think_text.setVisible(False)
         self.refresh()
 
-    @staticmethod
-    def _plain_label() -> QLabel:
+    def _wrapped_label(self) -> QLabel:
+        if self.rich:
+            return FitLabel()  # no height-for-width: see ui/chat/fit_label.py
         label = QLabel()
         label.setTextFormat(Qt.TextFormat.PlainText)
         label.setWordWrap(True)
-        label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         label.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
         return label
 
@@ -152,7 +154,7 @@ class MessageView(QFrame):
         return self._render_timer.isActive()
 
     def refresh(self, streaming: bool = False) -> None:
-        if streaming and self.markdown:  # the plain label renders each change, as it always did
+        if streaming and self.rich:  # the old view renders each change, as it always did
             if not self._render_timer.isActive():
                 self._render_timer.start()
             return
