@@ -21,7 +21,7 @@ from markdown_it.utils import EnvType, OptionsDict
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexer import Lexer
-from pygments.lexers import get_lexer_by_name
+from pygments.lexers import get_all_lexers, get_lexer_by_name
 from pygments.styles import get_style_by_name
 from pygments.token import Token
 from pygments.util import ClassNotFound
@@ -148,6 +148,7 @@ def _hr(self, tokens: Sequence[MdToken], idx: int, options: OptionsDict, env: En
 
 # --- code highlighting ---------------------------------------------------------------------
 
+@lru_cache(maxsize=256)  # a streaming reply re-renders its finished code blocks every time
 def highlight_code(code: str, lang: str) -> str:
     """`code` as HTML spans with inline colours; plain escaped text for an unknown language."""
     lexer = _lexer(lang.lower())
@@ -160,13 +161,21 @@ def highlight_code(code: str, lang: str) -> str:
 
 @lru_cache(maxsize=64)
 def _lexer(lang: str) -> Lexer | None:
-    if not lang:
-        return None  # no guessing: a wrong guess colours prose like code
+    # no guessing for a missing name (a wrong guess colours prose like code); only pygments' own
+    # lexers: an unknown name makes it scan every installed package's entry points (~300 ms, at
+    # each partial name of a fence that is still streaming in: "p", "py", "pyt", ...)
+    if lang not in _builtin_aliases():
+        return None
     try:
         # keep the text exactly: no stripped or added newlines
         return get_lexer_by_name(lang, stripnl=False, ensurenl=False)
     except ClassNotFound:
         return None
+
+
+@lru_cache(maxsize=1)
+def _builtin_aliases() -> frozenset[str]:
+    return frozenset(a for _, aliases, _, _ in get_all_lexers(plugins=False) for a in aliases)
 
 
 @lru_cache(maxsize=1)
