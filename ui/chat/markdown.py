@@ -50,7 +50,8 @@ class Rendered:
 
 def render_markdown(text: str) -> Rendered:
     env: EnvType = {"code_blocks": []}
-    body = _parser().render(text, env)
+    # Qt keeps a newline after the last closing tag as a trailing space of the last block
+    body = _parser().render(text, env).rstrip("\n")
     return Rendered(html=body, code_blocks=env["code_blocks"])
 
 
@@ -68,6 +69,7 @@ def _parser() -> MarkdownIt:
         "link_open": _link_open, "image": _image, "table_open": _table_open,
         "th_open": _cell_open, "td_open": _cell_open, "blockquote_open": _blockquote_open,
         "paragraph_open": _paragraph_open, "hr": _hr,
+        "bullet_list_open": _list_open, "ordered_list_open": _list_open,
     }  # fmt: skip
     for name, rule in rules.items():
         md.add_render_rule(name, rule)
@@ -140,6 +142,13 @@ def _paragraph_open(self, tokens: Sequence[MdToken], idx: int, options: OptionsD
     if tokens[idx].hidden:  # a tight list's item: no paragraph of its own
         return ""
     return '<p style="margin-top:4px; margin-bottom:4px;">'
+
+
+def _list_open(self, tokens: Sequence[MdToken], idx: int, options: OptionsDict,
+               env: EnvType) -> str:  # fmt: skip
+    """markdown-it puts a newline between a tight item's text and its nested list; Qt would show
+    it as a trailing space of the item."""
+    return self.renderToken(tokens, idx, options, env).lstrip("\n")
 
 
 def _hr(self, tokens: Sequence[MdToken], idx: int, options: OptionsDict, env: EnvType) -> str:
