@@ -72,7 +72,7 @@ class Result:
     mode: str
     build_s: float
     lat: np.ndarray  # event-loop latency samples, ms
-    renders: int  # renders of the streaming reply
+    renders: int  # renders of the streaming reply, the final one (after Finish) included
     other_renders: int  # renders of every other message while it streamed (want 0)
     deltas: int
     finish_ms: float  # the final, exact render after Finish

@@ -1,13 +1,15 @@
 """A message in the transcript: user text stays literal, every message copies its own text, links
 open outside the app, a streamed reply re-renders a bounded number of times (coalesced) and shows
-exactly its final text once finished, and wrapped labels keep fitting their text on resize."""
+exactly its final text once finished, wrapped labels keep fitting their text on resize, and the
+wheel over a reply scrolls the transcript."""
 
 from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import QObject, Qt, QUrl, Slot
+from PySide6.QtCore import QObject, QPoint, Qt, QUrl, Slot
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QTextTable
+from PySide6.QtTest import QTest
 
 from app.conversations import ConversationStore, Message
 from app.settings import SamplingDefaults
@@ -149,3 +151,21 @@ def test_wrapped_text_keeps_fitting_when_the_window_narrows(qtbot, tmp_path):
     qtbot.waitUntil(lambda: user.text.height() == user.text.heightForWidth(user.text.width()))
     assert user.text.height() > wide
     assert user.height() >= user.text.height()  # the message grew with it
+
+
+def test_the_wheel_over_a_reply_scrolls_the_transcript(qtbot, tmp_path):
+    p = _panel(qtbot, tmp_path)
+    for i in range(6):
+        p.current.messages += [Message("user", f"q{i}"), Message("assistant", STREAMED)]
+    p._rebuild_transcript()
+    bar = p.scroll.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 300)
+    bar.setValue(bar.maximum() // 2)
+    qtbot.wait(20)
+    reply = next(v.text for v in p._views if isinstance(v.text, AnswerView)
+                 and not v.text.visibleRegion().isEmpty())  # fmt: skip
+    at = reply.visibleRegion().boundingRect().center()
+    before = bar.value()
+    # through the window, as a real wheel arrives (a sent QWheelEvent would not propagate)
+    QTest.wheelEvent(p.windowHandle(), reply.mapTo(p, at), QPoint(0, -120))
+    qtbot.waitUntil(lambda: bar.value() > before)
