@@ -1,4 +1,5 @@
-"""One turn of the transcript: role, text, a reply's thinking block and its stats line."""
+"""One turn of the transcript: role, text (a reply's as Markdown), a Copy button, a reply's
+thinking block and its stats line."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ class MessageView(QFrame):
                 self._render_timer.start()
             return
         self._render_timer.stop()
-        self._render(streaming=False)
+        self._render(streaming)
 
     def answer(self) -> str:
         """The message's own text: a reply's answer without its thinking block."""

@@ -169,3 +169,13 @@ def test_the_wheel_over_a_reply_scrolls_the_transcript(qtbot, tmp_path):
     # through the window, as a real wheel arrives (a sent QWheelEvent would not propagate)
     QTest.wheelEvent(p.windowHandle(), reply.mapTo(p, at), QPoint(0, -120))
     qtbot.waitUntil(lambda: bar.value() > before)
+
+
+def test_the_old_plain_view_renders_each_change_at_once(qtbot):
+    """markdown=False: the plain-text view the benchmark compares against."""
+    v = MessageView(Message("assistant", "**a**"), markdown=False)
+    qtbot.addWidget(v)
+    v.refresh(streaming=True)
+    assert not v.render_pending and v.text.text() == "**a** ▍"
+    v.refresh()
+    assert v.text.text() == "**a**" and not isinstance(v.text, AnswerView)
