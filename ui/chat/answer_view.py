@@ -23,6 +23,7 @@ class AnswerView(QTextBrowser):
         self.code_blocks: list[CodeBlock] = []
         self.renders = 0  # how many times the document was rebuilt (the streaming cost)
         self._cursor = False
+        self._rebuilding = False
         self.setOpenLinks(False)  # links come to _on_anchor; nothing navigates the view
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -46,11 +47,18 @@ class AnswerView(QTextBrowser):
         rendered = render_markdown(text)
         self.source_text, self.code_blocks, self._cursor = text, rendered.code_blocks, cursor
         self.renders += 1
-        self.setHtml(rendered.html)
-        if cursor:  # after rendering, so the cursor never changes how the Markdown parses
-            end = QTextCursor(self.document())
-            end.movePosition(QTextCursor.MoveOperation.End)
-            end.insertText(CURSOR)
+        # setHtml empties the document first: fitting to that would resize the widget twice and
+        # re-lay-out the whole transcript each time, so fit once, to the finished document
+        self._rebuilding = True
+        try:
+            self.setHtml(rendered.html)
+            if cursor:  # after rendering, so the cursor never changes how the Markdown parses
+                end = QTextCursor(self.document())
+                end.movePosition(QTextCursor.MoveOperation.End)
+                end.insertText(CURSOR)
+        finally:
+            self._rebuilding = False
+        self._fit_height(self.document().size())
 
     def text(self) -> str:
         """The Markdown source shown (with the streaming cursor), as QLabel.text() was."""
@@ -70,6 +78,8 @@ class AnswerView(QTextBrowser):
             QGuiApplication.clipboard().setText(self.code_blocks[index].code)
 
     def _fit_height(self, size: QSizeF) -> None:
+        if self._rebuilding:
+            return
         h = math.ceil(size.height()) + 2 * self.frameWidth()
         if h != self.height():
             self.setFixedHeight(h)

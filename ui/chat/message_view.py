@@ -1,4 +1,5 @@
-"""One turn of the transcript: role, text, a reply's thinking block and its stats line."""
+"""One turn of the transcript: role, text (a reply's as Markdown), a Copy button, a reply's
+thinking block and its stats line."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from app.conversations import Message
 from ui import theme
 from ui.chat.answer_view import CURSOR, AnswerView
 from ui.chat.branch_nav import BranchNav
+from ui.chat.fit_label import FitLabel
 from ui.chat.thinking import split_thinking
 
-# Replies render as Markdown; False gives the plain-text label it replaced (ui/chat/bench_stream.py
+# Replies render as Markdown; False gives the plain-text view it replaced (ui/chat/bench_stream.py
 # flips it to time both in one process).
 MARKDOWN = True
 RENDER_INTERVAL_MS = 50  # a streaming reply re-renders at most this often (~20 times a second)
@@ -93,7 +95,9 @@ class MessageView(QFrame):
         super().__init__(parent)
         self.msg = msg
         self.thinking_opens_reply = thinking_opens_reply  # the prompt opened <think> already
-        self.markdown = (MARKDOWN if markdown is None else markdown) and msg.role == "assistant"
+        # rich: Markdown replies, self-sizing labels and coalesced streaming; else the old view
+        self.rich = MARKDOWN if markdown is None else markdown
+        self.markdown = self.rich and msg.role == "assistant"
         self.render_count = 0
         self._closed_once = False
         self._render_timer = QTimer(self)
@@ -129,9 +133,8 @@ class MessageView(QFrame):
         head_row.addStretch(1)
         head_row.addWidget(self.edit_btn)
         head_row.addWidget(self.copy_btn)
-        self.attachments_line = QLabel()
+        self.attachments_line = self._wrapped_label()
         self.attachments_line.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
-        self.attachments_line.setWordWrap(True)
         files = [a.get("name", "?") + (f" ({a['tokens']:,} tokens)" if a.get("tokens") else "")
                  for a in msg.attachments]
         self.attachments_line.setText("📎 " + " · ".join(files) if files else "")
@@ -142,17 +145,16 @@ class MessageView(QFrame):
         self.think_toggle.setAutoRaise(True)
         self.think_toggle.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
         self.think_toggle.toggled.connect(self._on_think_toggled)
-        self.think_text = QLabel()
-        self.think_text.setTextFormat(Qt.TextFormat.PlainText)
-        self.think_text.setWordWrap(True)
+        self.think_text = self._wrapped_label()
         self.think_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.think_text.setStyleSheet(
             f"color: {theme.MUTED}; font-style: italic; border-left: 2px solid {theme.MUTED};"
             " padding-left: 6px;")
-        self.text: AnswerView | QLabel = AnswerView() if self.markdown else self._plain_label()
-        self.stats = QLabel()
+        self.text: AnswerView | QLabel = AnswerView() if self.markdown else self._wrapped_label()
+        self.text.setTextInteractionFlags(self.text.textInteractionFlags()
+                                          | Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.stats = self._wrapped_label()
         self.stats.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
-        self.stats.setWordWrap(True)
         lay.addLayout(head_row)
         lay.addWidget(self.think_toggle)
         lay.addWidget(self.think_text)
@@ -172,12 +174,12 @@ class MessageView(QFrame):
         border = f"border: 2px solid {theme.ACCENT};" if on else ""
         self.setStyleSheet(f"QFrame#msg {{ background: {bg}; border-radius: 6px; {border} }}")
 
-    @staticmethod
-    def _plain_label() -> QLabel:
+    def _wrapped_label(self) -> QLabel:
+        if self.rich:
+            return FitLabel()  # no height-for-width: see ui/chat/fit_label.py
         label = QLabel()
         label.setTextFormat(Qt.TextFormat.PlainText)
         label.setWordWrap(True)
-        label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         label.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
         return label
 
@@ -187,12 +189,12 @@ class MessageView(QFrame):
         return self._render_timer.isActive()
 
     def refresh(self, streaming: bool = False) -> None:
-        if streaming and self.markdown:  # the plain label renders each change, as it always did
+        if streaming and self.rich:  # the old view renders each change, as it always did
             if not self._render_timer.isActive():
                 self._render_timer.start()
             return
         self._render_timer.stop()
-        self._render(streaming=False)
+        self._render(streaming)
 
     def answer(self) -> str:
         """The message's own text: a reply's answer without its thinking block."""
