@@ -88,8 +88,8 @@ class Result:
 def history(n_messages: int) -> Conversation:
     conv = Conversation(title="bench: long Markdown conversation")
     for i in range(n_messages // 2):
-        conv.messages.append(Message("user", f"Question {i}: how does block {i} get cached?"))
-        conv.messages.append(Message("assistant", REPLY.replace("block 0", f"block {i}"),
+        conv.append(Message("user", f"Question {i}: how does block {i} get cached?"))
+        conv.append(Message("assistant", REPLY.replace("block 0", f"block {i}"),
                                      stats={"ttft": 0.1, "tok_s": 30.0, "finish_reason": "stop"}))
     return conv
 

@@ -92,6 +92,7 @@ class BlockMapWidget(QWidget):
         self.remembered: dict[str, tuple[list[int], list[int]]] = {}
         self.forks: dict[str, str] = {}  # a chat branch's request -> the one it forked from
         self.fork_blocks: set[int] = set()  # of the highlighted request, shared with its source
+        self._hit_blocks: dict[str, list[int]] = {}  # a fork's request -> its prefix-hit blocks
         self._slots: dict[str, int] = {}  # request id -> palette slot
         self._owners: dict[int, list[str]] = {}
         self._shape = (1, 1)
@@ -210,8 +211,7 @@ class BlockMapWidget(QWidget):
         idx[shared] = SHARED
         self.colour_index = idx
         self.highlight_blocks = self._blocks_of(f, self.highlight_rid)
-        source = self.forks.get(self.highlight_rid or "")
-        self.fork_blocks = (self.highlight_blocks & self._blocks_of(f, source)) if source else set()
+        self.fork_blocks = self._shared_with_source(f, self.highlight_rid)
         shown = idx.copy()
         if self.highlight_rid is not None:
             mask = np.ones(f.num_blocks, bool)
@@ -265,6 +265,18 @@ class BlockMapWidget(QWidget):
                 slot = min(range(NREQ), key=lambda s: (used.count(s), s))
                 self._slots[rid] = slot
                 used.append(slot)
+
+    def _shared_with_source(self, f: Frame, rid: str | None) -> set[int]:
+        """A branch's prefix-cache hit, block by block: the first cached_tokens / block_size
+        blocks of its table hold the history it shares with the branch it forked from (the
+        same prefix hashes, so the same physical blocks). Noted while the request is seen
+        live, since a finished request's frame no longer says how much it hit."""
+        if rid is None or rid not in self.forks:
+            return set()
+        live = next((r for r in f.requests if r.request_id == rid), None)
+        if live is not None and live.num_cached_tokens and f.block_size:
+            self._hit_blocks[rid] = live.block_table[: live.num_cached_tokens // f.block_size]
+        return set(self._hit_blocks.get(rid, ())) & self.highlight_blocks
 
     def _blocks_of(self, f: Frame, rid: str | None) -> set[int]:
         if rid is None:

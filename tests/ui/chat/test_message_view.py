@@ -156,13 +156,14 @@ def test_wrapped_text_keeps_fitting_when_the_window_narrows(qtbot, tmp_path):
 def test_the_wheel_over_a_reply_scrolls_the_transcript(qtbot, tmp_path):
     p = _panel(qtbot, tmp_path)
     for i in range(6):
-        p.current.messages += [Message("user", f"q{i}"), Message("assistant", STREAMED)]
-    p._rebuild_transcript()
-    bar = p.scroll.verticalScrollBar()
+        p.current.append(Message("user", f"q{i}"))
+        p.current.append(Message("assistant", STREAMED))
+    p._show_current()
+    bar = p.transcript.verticalScrollBar()
     qtbot.waitUntil(lambda: bar.maximum() > 300)
     bar.setValue(bar.maximum() // 2)
     qtbot.wait(20)
-    reply = next(v.text for v in p._views if isinstance(v.text, AnswerView)
+    reply = next(v.text for v in p.transcript.views if isinstance(v.text, AnswerView)
                  and not v.text.visibleRegion().isEmpty())  # fmt: skip
     at = reply.visibleRegion().boundingRect().center()
     before = bar.value()

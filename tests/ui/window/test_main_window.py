@@ -289,12 +289,19 @@ def test_an_edited_branch_takes_the_shared_history_from_the_prefix_cache(win, qt
     forks: list = []
     win.chat.branch_sent.connect(lambda rid, src: forks.append((rid, src)))
     win.chat.start_edit(conv.messages[2])
+    _greedy(win, 48)  # long enough to be seen running: the map notes its hit blocks live
     win.chat.input.setPlainText("And what does chunked prefill change?")
     rid = win.chat.send_current()
     new_prompt = conv.to_prompt()
     assert forks == [(rid, old_rid)]
-    qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
     reply = conv.messages[-1]
+
+    def marked() -> bool:
+        win.block_map.redraw(force=True)
+        return bool(win.block_map.fork_blocks)
+
+    qtbot.waitUntil(marked, timeout=60_000)
+    qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
     old_ids, new_ids = (
