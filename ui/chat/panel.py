@@ -17,15 +17,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QKeyEvent
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QHBoxLayout,
-    QLabel,
     QListWidgetItem,
     QMessageBox,
     QPlainTextEdit,
-    QPushButton,
     QSplitter,
     QVBoxLayout,
     QWidget,
@@ -35,10 +32,9 @@ from app.conversations import Conversation, ConversationStore, Message
 from app.conversations.presets import PresetStore
 from app.conversations.search import search as search_conversations
 from app.settings import SamplingDefaults
-from ui import theme
-from ui.chat.attachment_bar import AttachmentBar, accept_file_drops
 from ui.chat.attachments import context_warning, estimate_tokens, to_message
 from ui.chat.branching import forked_request
+from ui.chat.composer import Composer
 from ui.chat.message_view import MessageView
 from ui.chat.presets_bar import PresetsBar
 from ui.chat.replies import ReplyTracker
@@ -47,23 +43,6 @@ from ui.chat.sidebar import ConversationSidebar
 from ui.chat.transcript import Transcript
 
 log = logging.getLogger(__name__)
-
-
-class _EnterFilter(QObject):
-    """Enter sends, Shift+Enter inserts a newline."""
-
-    def __init__(self, send) -> None:
-        super().__init__()
-        self._send = send
-
-    def eventFilter(self, obj: QObject, ev: QEvent) -> bool:  # noqa: N802 - Qt name
-        if ev.type() == QEvent.Type.KeyPress and isinstance(ev, QKeyEvent):
-            if ev.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
-                ev.modifiers() & Qt.KeyboardModifier.ShiftModifier
-            ):
-                self._send()
-                return True
-        return False
 
 
 class ChatPanel(QWidget):
@@ -114,40 +93,21 @@ class ChatPanel(QWidget):
         self.presets_bar.error.connect(self.notice_text)
         self.transcript = Transcript(self._make_view)
 
-        self.input = QPlainTextEdit()
-        self.input.setPlaceholderText("Message (Enter sends, Shift+Enter new line)")
-        self.input.setMaximumHeight(80)
-        self._enter = _EnterFilter(self.send_current)  # Qt does not own event filters
-        self.input.installEventFilter(self._enter)
+        self.composer = Composer(self.send_current, self.stop_current, self.regenerate)
+        self.input = self.composer.input  # the names tests and the window use
+        self.send_btn, self.stop_btn = self.composer.send_btn, self.composer.stop_btn
+        self.regen_btn, self.notice = self.composer.regen_btn, self.composer.notice
+        self.attach_bar = self.composer.attach_bar
         self.input.textChanged.connect(self._on_draft_changed)
-        self.send_btn = QPushButton("Send")
-        self.send_btn.clicked.connect(self.send_current)
-        self.stop_btn = QPushButton("Stop")
-        self.stop_btn.clicked.connect(self.stop_current)
-        self.regen_btn = QPushButton("Regenerate")
-        self.regen_btn.clicked.connect(self.regenerate)
-        self.attach_bar = AttachmentBar()
         self.attach_bar.changed.connect(self._update_context_warning)
-        self._drops = accept_file_drops(self.input, self.attach_bar.add_paths)
         self.max_model_len = 0  # the engine's context length (Welcome), for the warning
-        self.notice = QLabel()
-        self.notice.setWordWrap(True)
-        self.notice.setStyleSheet(f"color: {theme.MUTED};")
-        btns = QVBoxLayout()
-        for b in (self.send_btn, self.stop_btn, self.regen_btn):
-            btns.addWidget(b)
-        self.in_row = QHBoxLayout()
-        self.in_row.addWidget(self.input, 1)
-        self.in_row.addLayout(btns)
         center = QWidget()
         self.center_lay = cl = QVBoxLayout(center)
         cl.setContentsMargins(0, 0, 0, 0)
         cl.addWidget(self.presets_bar)
         cl.addWidget(self.system_edit)
         cl.addWidget(self.transcript, 1)
-        cl.addWidget(self.notice)
-        cl.addWidget(self.attach_bar)
-        cl.addLayout(self.in_row)
+        cl.addWidget(self.composer)
 
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(self.sidebar)
@@ -281,9 +241,7 @@ class ChatPanel(QWidget):
             self.system_edit.blockSignals(False)
             self.presets_bar.show_preset(self.current.preset)
             self.sampling_box.set_from_dict(self.current.sampling)
-            self.input.blockSignals(True)
-            self.input.setPlainText(self.current.draft)
-            self.input.blockSignals(False)
+            self.composer.set_text(self.current.draft, quiet=True)
             self.conversation_selected.emit(self.current.id,
                                             self.last_request.get(self.current.id, ""))
         self._update_buttons()
@@ -367,10 +325,7 @@ class ChatPanel(QWidget):
             self.stop_current()
 
     def focus_input(self) -> None:
-        self.input.setFocus()
-        cursor = self.input.textCursor()
-        cursor.movePosition(cursor.MoveOperation.End)
-        self.input.setTextCursor(cursor)
+        self.composer.focus()
 
     def history_tokens(self) -> int:
         """The current branch's tokens so far: the last reply's prompt plus what it generated
@@ -437,12 +392,9 @@ class ChatPanel(QWidget):
         self._update_buttons()
 
     def _update_buttons(self) -> None:
-        busy = self.busy()
-        self.send_btn.setEnabled(self.engine_ready and not busy)
-        self.stop_btn.setEnabled(busy)
         has_user = self.current is not None and any(
             m.role == "user" for m in self.current.messages)
-        self.regen_btn.setEnabled(self.engine_ready and not busy and has_user)
+        self.composer.set_state(self.engine_ready, self.busy(), has_user)
 
     def send_current(self) -> str | None:
         """Send what is in the input box (as a new branch when editing); returns the request id
@@ -481,9 +433,7 @@ class ChatPanel(QWidget):
         item = self._item_for(conv.id)
         if item is not None and conv.model:
             item.setToolTip(f"model: {conv.model}")
-        self.input.blockSignals(True)
-        self.input.clear()
-        self.input.blockSignals(False)
+        self.composer.set_text("", quiet=True)
         self.attach_bar.clear()
         if edited is not None:
             self._show_current()  # the path changed below the edited turn

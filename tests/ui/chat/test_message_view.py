@@ -150,7 +150,7 @@ def test_wrapped_text_keeps_fitting_when_the_window_narrows(qtbot, tmp_path):
     qtbot.waitUntil(lambda: user.text.width() < width)
     qtbot.waitUntil(lambda: user.text.height() == user.text.heightForWidth(user.text.width()))
     assert user.text.height() > wide
-    assert user.height() >= user.text.height()  # the message grew with it
+    qtbot.waitUntil(lambda: user.height() >= user.text.height())  # the message grew with it
 
 
 def test_the_wheel_over_a_reply_scrolls_the_transcript(qtbot, tmp_path):
