@@ -3,6 +3,7 @@ process over a tiny random model (tests/ui/engines.py), one per test module."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -48,3 +49,30 @@ class DictSettings:
 
     def setValue(self, key: str, value) -> None:  # noqa: N802 - QSettings' name
         self.values[key] = value
+
+
+@contextlib.contextmanager
+def window_on_tiny_engine(data_dir, *engine_args: str, show: bool = True):
+    """A MainWindow that spawned `engine_proc serve` on the tiny model and is ready, closed on
+    exit (a module fixture's body)."""
+    from PySide6.QtWidgets import QApplication
+
+    from app.conversations import ConversationStore
+    from app.settings import open_settings
+    from ui.window.main_window import EngineSource, MainWindow, wait_until
+
+    w = MainWindow(open_settings(data_dir), ConversationStore(data_dir / "conversations"),
+                   EngineSource(command=tiny_engine_command(*engine_args)), data_dir=data_dir)
+    if show:
+        w.resize(1400, 900)
+        w.show()
+    w.start_engine()
+    ok = wait_until(lambda: w.state in ("ready", "busy", "disconnected"), 180,
+                    QApplication.instance())
+    assert ok and w.state in ("ready", "busy"), (w.state, w.last_error,
+                                                 w.supervisor and w.supervisor.tail(20))
+    try:
+        yield w
+    finally:
+        w.shutdown()
+        w.close()

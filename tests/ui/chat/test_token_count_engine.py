@@ -4,14 +4,10 @@ the window's link and feed: exactly what the tokenizer itself counts, while chat
 from __future__ import annotations
 
 import pytest
-from PySide6.QtWidgets import QApplication
 
-from app.conversations import ConversationStore
-from app.settings import open_settings
-from tests.ui.conftest import send_chat, tiny_engine_command
+from tests.ui.conftest import send_chat, window_on_tiny_engine
 from ui.chat.attachment_bar import AttachmentBar
 from ui.chat.attachments import attachment_block
-from ui.window.main_window import EngineSource, MainWindow, wait_until
 
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 512
@@ -21,18 +17,9 @@ CODE = ('def area(r: float) -> float:\n    """π r² — naïve, in café units 
 
 @pytest.fixture(scope="module")
 def win(qapp, tmp_path_factory):
-    d = tmp_path_factory.mktemp("kvscope-data")
-    cmd = tiny_engine_command("--num-kv-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN))
-    w = MainWindow(open_settings(d), ConversationStore(d / "conversations"),
-                   EngineSource(command=cmd), data_dir=d)
-    w.start_engine()
-    ok = wait_until(lambda: w.state in ("ready", "busy", "disconnected"), 180,
-                    QApplication.instance())
-    assert ok and w.state in ("ready", "busy"), (w.state, w.last_error,
-                                                 w.supervisor and w.supervisor.tail(20))
-    yield w
-    w.shutdown()
-    w.close()
+    args = ("--num-kv-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN))
+    with window_on_tiny_engine(tmp_path_factory.mktemp("kvscope-data"), *args, show=False) as w:
+        yield w
 
 
 def _tokenizer_count(text: str) -> int:

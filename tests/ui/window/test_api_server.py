@@ -13,12 +13,10 @@ import httpx
 import pytest
 from PySide6.QtWidgets import QApplication
 
-from app.conversations import ConversationStore
-from app.settings import open_settings
-from tests.ui.conftest import tiny_engine_command
+from tests.ui.conftest import window_on_tiny_engine
 from ui.kv.block_map import TABLE_COLUMNS
 from ui.window import api_server as api
-from ui.window.main_window import EngineSource, MainWindow, wait_until
+from ui.window.main_window import MainWindow, wait_until
 
 ENGINE_ARGS = ("--num-kv-blocks", "64", "--max-model-len", "512")
 ORIGIN_COL = TABLE_COLUMNS.index("origin")
@@ -26,19 +24,9 @@ ORIGIN_COL = TABLE_COLUMNS.index("origin")
 
 @pytest.fixture(scope="module")
 def win(qapp, tmp_path_factory):
-    d = tmp_path_factory.mktemp("kvscope-data")
-    w = MainWindow(open_settings(d), ConversationStore(d / "conversations"),
-                   EngineSource(command=tiny_engine_command(*ENGINE_ARGS)), data_dir=d)
-    w.resize(1400, 900)
-    w.show()
-    w.start_engine()
-    ok = wait_until(lambda: w.state in ("ready", "busy", "disconnected"), 180,
-                    QApplication.instance())
-    assert ok and w.state in ("ready", "busy"), (w.state, w.last_error,
-                                                 w.supervisor and w.supervisor.tail(20))
-    yield w
-    w.shutdown()
-    w.close()
+    with window_on_tiny_engine(tmp_path_factory.mktemp("kvscope-data"), *ENGINE_ARGS,
+                               show=True) as w:
+        yield w
 
 
 def _toggle_on(win: MainWindow, qtbot, port: int) -> None:
