@@ -131,3 +131,10 @@ def kv_events_config_arg(text: str) -> KVEventsConfig:
         return parse_kv_events_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kv_events_json_arg(text: str) -> str:
+    """argparse `type=` for a front-end that passes --kv-events-config on to the engine it
+    spawns: checked here (a bad value is a usage error before any engine starts), kept as text."""
+    kv_events_config_arg(text)
+    return text
