@@ -4,9 +4,9 @@ for vLLM reads KVScope's engine.
 
 The batch is vLLM's `EventBatch` (msgspec array_like): `[ts, events, data_parallel_rank]`. Each
 event is a `KVCacheEvent` (msgspec tag=True, omit_defaults=True), in one of two encodings:
-- "map" (vLLM after PR #42892, v0.24+): `{"type": "BlockStored", "block_hashes": ..., ...}`,
-  keys in vLLM's declaration order; a field holding its default (None) is left out unless it
-  has no default (lora_id, medium, lora_name are always there);
+- "map" (vLLM after PR #42892: releases after 0.23): `{"type": "BlockStored",
+  "block_hashes": ..., ...}`, keys in vLLM's declaration order; a field holding its default
+  (None) is left out unless it has no default (lora_id, medium, lora_name are always there);
 - "array" (vLLM <= 0.23, array_like=True): `["BlockStored", block_hashes, ...]`, every field
   in declaration order (msgspec writes defaults in arrays too; older decoders ignore trailing
   fields they do not know).

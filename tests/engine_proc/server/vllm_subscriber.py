@@ -8,7 +8,7 @@ that passes with it shows that a consumer written for vLLM reads KVScope's engin
     replay reply     [b"", topic, seq, payload] per kept batch with seq >= start_seq,
                      then [b"", b"", -1 (8 signed bytes), b""]
     payload          [ts, events, data_parallel_rank]; an event is a map {"type": ..., fields}
-                     (vLLM >= 0.24) or an array [type, fields...] (vLLM <= 0.23)
+                     (vLLM after 0.23) or an array [type, fields...] (vLLM <= 0.23)
 
 tests/test_architecture.py-style check: test_vllm_kv_events.py asserts this module's imports.
 """
