@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from app.supervisor import DECODE_WEIGHTS, DTYPES, KV_CACHE_DTYPES, KV_DISK_SUBDIR
+from ipc.vllm_events.config import kv_events_json_arg
 
 SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench.suite", "serve": "app.serve",
                "models": "app.models.catalog"}  # fmt: skip
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="int4: 4-bit weight copies for decode on CPU, ~2x faster replies; dense: the "
         "model's own precision; auto (the default): int4 on a CPU, dense on a GPU (remembered)",
     )
+    g.add_argument("--kv-events-config", type=kv_events_json_arg, default=None, metavar="JSON",
+                   help="the engine also publishes KV cache events in vLLM's format: vLLM's "
+                   "--kv-events-config JSON (docs/PROTOCOL.md)")  # fmt: skip
     g.add_argument(
         "--engine-args",
         default="",
@@ -239,6 +243,7 @@ def _engine_options(args: argparse.Namespace, settings, ddir: Path | None = None
         # `--engine-args "--num-threads N"` comes later on the command line and wins.
         num_threads=gui_engine_threads(),
         **_kv_options(settings, ddir),
+        kv_events_config=getattr(args, "kv_events_config", None),  # not remembered: per run
         extra_args=shlex.split(args.engine_args),
     )
 

@@ -31,6 +31,7 @@ from app.supervisor import (
     DTYPES,
     KV_CACHE_DTYPES,
 )
+from ipc.vllm_events.config import kv_events_json_arg
 
 log = logging.getLogger("app.serve")
 
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-host-memory", type=int, default=None, help="host KV tier, bytes")
     e.add_argument("--kv-disk-dir", default=None, help="disk KV tier directory (persists)")
     e.add_argument("--kv-disk-bytes", type=int, default=None, help="disk KV tier capacity")
+    e.add_argument("--kv-events-config", type=kv_events_json_arg, default=None,
+                   metavar="JSON", help="the engine also publishes KV cache events in vLLM's "
+                   "format: vLLM's --kv-events-config JSON (docs/PROTOCOL.md)")  # fmt: skip
     e.add_argument("--engine-args", default="", help="more `engine_proc serve` options")
     e.add_argument(
         "--no-restart",
@@ -129,6 +133,8 @@ def check_security(args: argparse.Namespace, keys: list[str]) -> str | None:
         return "--disaggregated takes --connect-prefill and --connect-decode, not --connect"
     if not args.disaggregated and (args.connect_prefill or args.connect_decode):
         return "--connect-prefill / --connect-decode need --disaggregated"
+    if args.disaggregated and args.kv_events_config is not None:
+        return "--kv-events-config is for one engine; not with --disaggregated (both would bind it)"
     if args.disagg_cores is not None and args.disagg_cores < 2:
         return f"--disagg-cores must be >= 2, got {args.disagg_cores}"
     return None

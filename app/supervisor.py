@@ -53,6 +53,8 @@ class EngineOptions:
     # The engine checks client silence only between steps, so one long CPU step could make it
     # drop the GUI (and abort its requests); the GUI is its only client, so be patient.
     client_timeout: float | None = 120.0
+    # vLLM-format KV cache events (--kv-events-config JSON, checked by the caller); None = off
+    kv_events_config: str | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def to_args(self) -> list[str]:
@@ -66,7 +68,8 @@ class EngineOptions:
                             ("--kv-host-memory", self.kv_host_memory),
                             ("--kv-disk-dir", self.kv_disk_dir),
                             ("--kv-disk-bytes", self.kv_disk_bytes),
-                            ("--client-timeout", self.client_timeout)):
+                            ("--client-timeout", self.client_timeout),
+                            ("--kv-events-config", self.kv_events_config)):
             if value is not None:
                 args += [flag, str(value)]
         return args + list(self.extra_args)

@@ -26,6 +26,18 @@ RESTART_BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0)  # seconds before restart 1, 2, ...
 RESTART_WINDOW = 300.0  # restarts older than this are forgotten
 
 
+def engine_options(a: argparse.Namespace) -> EngineOptions:
+    """`kvscope serve`'s engine flags -> the spawned engine's options."""
+    return EngineOptions(
+        model=a.model, dtype=a.dtype, device=a.device, num_kv_blocks=a.num_kv_blocks,
+        max_model_len=a.max_model_len, decode_weights=a.decode_weights,
+        kv_cache_dtype=a.kv_cache_dtype, kv_host_memory=a.kv_host_memory,
+        kv_disk_dir=a.kv_disk_dir, kv_disk_bytes=a.kv_disk_bytes,
+        kv_events_config=getattr(a, "kv_events_config", None),  # absent from older namespaces
+        extra_args=shlex.split(a.engine_args),
+    )  # fmt: skip
+
+
 class EngineKeeper:
     """Keeps the link to the engine: spawns it (or attaches), notices it going away, restarts a
     spawned engine that dies after it was ready (with backoff), and reattaches to a --connect
@@ -56,14 +68,7 @@ class EngineKeeper:
         self.task = asyncio.create_task(self._watch())
 
     def _spawn(self) -> None:
-        a = self.args
-        options = EngineOptions(
-            model=a.model, dtype=a.dtype, device=a.device, num_kv_blocks=a.num_kv_blocks,
-            max_model_len=a.max_model_len, decode_weights=a.decode_weights,
-            kv_cache_dtype=a.kv_cache_dtype, kv_host_memory=a.kv_host_memory,
-            kv_disk_dir=a.kv_disk_dir, kv_disk_bytes=a.kv_disk_bytes,
-            extra_args=shlex.split(a.engine_args),
-        )  # fmt: skip
+        options = engine_options(self.args)
         assert self.loop is not None
         loop = self.loop
 

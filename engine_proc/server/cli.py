@@ -29,6 +29,7 @@ from engine_proc.server.disagg import ROLES, TRANSFER_FAILURE_POLICIES, DisaggCo
 from engine_proc.server.engine_server import EngineServer
 from ipc import endpoints as E
 from ipc import protocol as P
+from ipc.vllm_events.config import kv_events_config_arg
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="kv_events",
         action="store_false",
         help="do not publish KV cache events (PUB topic kv_events; the window's prefix tree)",
+    )
+    s.add_argument(
+        "--kv-events-config",
+        type=kv_events_config_arg,
+        default=None,
+        metavar="JSON",
+        help="also publish KV cache events in vLLM's wire format, for KV-aware routers: vLLM's "
+        "--kv-events-config JSON, e.g. '{\"enable_kv_cache_events\": true}' (docs/PROTOCOL.md, "
+        "\"KV events in vLLM's format\")",
     )
     s.add_argument(
         "--allow-remote",
@@ -169,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
             token=token,
             max_pending=args.max_pending,
             kv_events=args.kv_events,
+            vllm_events=args.kv_events_config,
             disagg=DisaggConfig(
                 role=args.role,
                 transfer_endpoint=args.kv_transfer_endpoint,
@@ -232,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
         }
         if server.disagg is not None:
             ready |= {"role": args.role, "kv_transfer_endpoint": server.disagg.transfer_endpoint}
+        if server.vllm_events is not None:  # where a '*' bound (vLLM-format KV events)
+            ready |= {"kv_events_endpoint": server.vllm_events.endpoint,
+                      "kv_events_replay_endpoint": server.vllm_events.replay_endpoint or None}
         print(f"{P.READY_PREFIX} {json.dumps(ready)}", flush=True)
         log.info("serving on %s (telemetry %s)", endpoint, pub_endpoint)
         rc = server.serve_forever()

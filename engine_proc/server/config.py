@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine_proc.server.disagg import DisaggConfig
 from ipc import endpoints as E
 from ipc import protocol as P
+from ipc.vllm_events.config import KVEventsConfig
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class ServerConfig:
     max_pending: int = 4096  # requests in flight over all clients
     kv_events: bool = True  # publish KV cache events (topic kv_events, ipc/kv_events.py)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)  # --role prefill|decode
+    vllm_events: KVEventsConfig | None = None  # --kv-events-config: vLLM-format KV events
 
     def __post_init__(self) -> None:
         if not self.telemetry_hz > 0:

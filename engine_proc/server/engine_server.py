@@ -26,6 +26,7 @@ from engine_proc.server.control import Controls
 from engine_proc.server.disagg import Disaggregation, PendingPull
 from engine_proc.server.publish import Publishing
 from engine_proc.server.requests import Client, InFlight, RequestTracking
+from engine_proc.server.vllm_publisher import VllmEventPublisher
 from engine_proc.server.wire import ids_of_undecodable, live_config_of
 from ipc import endpoints as E
 from ipc import protocol as P
@@ -67,6 +68,7 @@ class EngineServer(RequestTracking, Controls, Publishing):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.disagg: Disaggregation | None = None
+        self.vllm_events: VllmEventPublisher | None = None  # --kv-events-config
 
     # ---------------------------------------------------------------- setup
 
@@ -101,7 +103,8 @@ class EngineServer(RequestTracking, Controls, Publishing):
                      "kv_transfer_endpoint": self.disagg.transfer_endpoint}  # fmt: skip
         info["kv_groups"] = [P.KVGroup(**g) for g in info.get("kv_groups", [])]
         self._model_info = P.ModelInfo(**info)
-        if self.cfg.kv_events and hasattr(self.engine, "enable_kv_events"):
+        self._start_vllm_events()
+        if (self.cfg.kv_events or self.vllm_events) and hasattr(self.engine, "enable_kv_events"):
             self.engine.enable_kv_events()
         return self.endpoint, self.pub_endpoint
 
@@ -124,6 +127,9 @@ class EngineServer(RequestTracking, Controls, Publishing):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        replay = self.vllm_events.replay if self.vllm_events is not None else None
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
         try:
             while self._stop_reason is None:
                 busy = self._busy()
@@ -131,6 +137,8 @@ class EngineServer(RequestTracking, Controls, Publishing):
                 ready = dict(poller.poll(timeout_ms))
                 if self._wake_r.fileno() in ready:
                     self._drain_wake()
+                if replay is not None and replay in ready:
+                    self.vllm_events.service_replay()  # type: ignore[union-attr]
                 if self.disagg is not None:
                     self._admit_pulled()
                 if self.router in ready or busy:
@@ -351,6 +359,8 @@ class EngineServer(RequestTracking, Controls, Publishing):
     def close(self) -> None:
         if self.disagg is not None:
             self.disagg.close()
+        if self.vllm_events is not None:
+            self.vllm_events.close()
         for s in (self.router, self.pub):
             if s is not None and not s.closed:
                 s.close()

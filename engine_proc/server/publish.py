@@ -1,6 +1,7 @@
 """The engine server's outbound broadcasts: heartbeats, telemetry snapshots and KV cache events
-on the PUB socket (docs/PROTOCOL.md sections 4 and 6). A mixin of EngineServer
-(engine_proc/server/engine_server.py), which owns the state it reads."""
+on the PUB socket (docs/PROTOCOL.md sections 4 and 6), and the same KV cache events in vLLM's
+format when `--kv-events-config` asks for them (engine_proc/server/vllm_publisher.py). A mixin of
+EngineServer (engine_proc/server/engine_server.py), which owns the state it reads."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine_proc.server.vllm_publisher import VllmEventPublisher
 from engine_proc.server.wire import kv_event_batch, telemetry_from_snapshot
 from ipc import protocol as P
+from ipc.vllm_events.encode import SLIDING_WINDOW, GroupSpec
 
 log = logging.getLogger("engine_proc.server")
 
@@ -22,6 +25,9 @@ class Publishing:
 
     pub: Any
     engine: Any
+    cfg: Any
+    ctx: Any
+    vllm_events: VllmEventPublisher | None
     paused: bool
     _clients: dict
     _inflight: dict
@@ -47,8 +53,23 @@ class Publishing:
         except zmq.Again:
             pass  # a slow subscriber loses snapshots; the engine never waits for it
 
+    def _start_vllm_events(self) -> None:
+        """The vLLM-format publisher, when --kv-events-config enables one (after the model
+        info is known: its block size and KV groups go into every BlockStored)."""
+        cfg = self.cfg.vllm_events
+        if cfg is None or not cfg.active:
+            return
+        assert self._model_info is not None
+        groups = self._model_info.kv_groups
+        window = groups[0].window if groups else None  # group 0 is the one with events
+        spec = GroupSpec(SLIDING_WINDOW, window) if window else GroupSpec()
+        self.vllm_events = VllmEventPublisher(cfg, self.ctx, self._model_info.block_size,
+                                              {0: spec})  # fmt: skip
+        self.vllm_events.bind()
+
     def _publish_kv_events(self) -> None:
-        """What the prefix cache stored and removed since the last tick, one batch."""
+        """What the prefix cache stored and removed since the last tick: one drain, published
+        as one batch on the kv_events topic and one in vLLM's format."""
         drain = getattr(self.engine, "drain_kv_events", None)
         if drain is None:
             return
@@ -59,7 +80,12 @@ class Publishing:
             return
         if overflowed:
             log.warning("KV cache events overflowed before a tick; published a replay instead")
-        if events:
+        if self.vllm_events is not None:
+            try:
+                self.vllm_events.publish(events)
+            except Exception:  # a publishing bug must not stop the native stream or the engine
+                log.exception("publishing vLLM-format KV events failed")
+        if events and self.cfg.kv_events:
             self._kv_events_seq += 1
             assert self._model_info is not None
             batch = kv_event_batch(

@@ -160,6 +160,23 @@ def test_engine_options_remember_flags_and_ignore_stale_settings():
     assert opts.to_args()[opts.to_args().index("--decode-weights") + 1] == "auto"
 
 
+def test_kv_events_config_reaches_the_spawned_engine_and_is_not_remembered():
+    from app.api.keeper import engine_options
+    from app.serve import build_parser, check_security
+
+    cfg = '{"enable_kv_cache_events": true, "topic": "kv"}'
+    parse, settings = app_main.build_parser().parse_args, DictSettings({})
+    args = app_main._engine_options(parse(["--kv-events-config", cfg]), settings).to_args()
+    assert args[args.index("--kv-events-config") + 1] == cfg  # the window's engine
+    assert "--kv-events-config" not in app_main._engine_options(parse([]), settings).to_args()
+    serve = build_parser().parse_args(["--kv-events-config", cfg])
+    args = engine_options(serve).to_args()
+    assert args[args.index("--kv-events-config") + 1] == cfg  # kvscope serve's engine
+    assert "--kv-events-config" not in engine_options(build_parser().parse_args([])).to_args()
+    both = build_parser().parse_args(["--kv-events-config", cfg, "--disaggregated"])
+    assert "--kv-events-config" in (check_security(both, []) or "")
+
+
 def _cpuinfo(cores: int, threads_per_core: int) -> str:
     return "\n\n".join(f"processor\t: {i}\nphysical id\t: 0\ncore id\t\t: {i // threads_per_core}"
                        for i in range(cores * threads_per_core))
