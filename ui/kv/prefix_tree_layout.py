@@ -13,6 +13,7 @@ highest tier holding them (`tier`: where a request would load them from).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,7 @@ class TreeLayout:
     num_roots: int = 0
     tier: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # IN_POOL, ...
     media: list[frozenset[str]] = field(default_factory=list)  # every medium holding it
+    parent: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # index, -1: root
 
     def count(self, tier: int) -> int:
         return int(np.count_nonzero(self.tier == tier))
@@ -60,7 +62,12 @@ class TreeLayout:
         return None if i < 0 else i
 
 
-def layout_tree(tree: PrefixTree) -> TreeLayout:
+def layout_tree(tree: PrefixTree, tier_of: Callable[[frozenset[str]], int] | None = None
+                ) -> TreeLayout:  # fmt: skip
+    """`tree`: a PrefixTree, or anything with its `nodes` and `children()` (a fleet tree of
+    vLLM-format events); `tier_of`: IN_POOL, HOST_ONLY or DISK_ONLY from a block's media
+    (default: KVScope's pool, host and disk)."""
+    tier_of = tier_of or _tier_of
     nodes = tree.nodes
     children = tree.children()
     block_size = next((n.num_tokens for n in nodes.values()), 16) or 16
@@ -68,6 +75,7 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
     rows: list[int] = []
     hashes: list[bytes] = []
     kids_of: list[list[int]] = []  # indexes of each block's children, in layout order
+    parents: list[int] = []
     next_row = 0
     roots = sorted(children.get(None, []), key=lambda h: _first_token_key(nodes[h]))
     # Iterative depth-first walk; the first child continues its parent's row, every later
@@ -85,6 +93,7 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
         depth_of.append(depth)
         rows.append(row)
         kids_of.append([])
+        parents.append(parent)
         if parent >= 0:
             kids_of[parent].append(i)
         kids = sorted(children.get(h, []), key=lambda k: _first_token_key(nodes[k]))
@@ -109,12 +118,13 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
         owner=owner,
         num_rows=next_row,
         num_roots=len(roots),
-        tier=np.asarray([_tier_of(nodes[h].media) for h in hashes], dtype=np.uint8),
+        tier=np.asarray([tier_of(nodes[h].media) for h in hashes], dtype=np.uint8),
         media=[frozenset(nodes[h].media) for h in hashes],
+        parent=np.asarray(parents, dtype=np.int64),
     )
 
 
-def _tier_of(media: set[str]) -> int:
+def _tier_of(media: frozenset[str] | set[str]) -> int:
     return IN_POOL if POOL in media else HOST_ONLY if HOST in media else DISK_ONLY
 
 
