@@ -13,7 +13,10 @@ how many leading blocks of a prompt a source holds, found by walking from the ro
 the prompt's tokens block by block, so it needs no knowledge of the publisher's hash function.
 
 Nodes are immutable and replaced when their holders change, so `snapshot()` is a shallow copy
-of one dict that another thread may lay out while this one goes on applying batches. The
+of one dict that another thread may lay out while this one goes on applying batches. A big tree
+is mostly objects the garbage collector need not scan (reference counts keyed by (hash, medium)
+tuples, index entries as tuples, the few distinct media and source sets shared): a full
+collection over 100,000 blocks is a pause every thread, the GUI's included, waits out. The
 interface the prefix-tree layout reads (`nodes` with parent_hash, token_ids, num_tokens,
 block_id, media; `children()`) is ipc.kv_events.PrefixTree's.
 """
@@ -21,13 +24,13 @@ block_id, media; `children()`) is ipc.kv_events.PrefixTree's.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ipc.vllm_events.events import Batch, BlockHash, Cleared, Removed, Stored
 from ipc.vllm_events.media import medium_name
 
 SourceId = str  # the publisher's endpoint, as the subscriber names it
-Held = dict[str, int]  # medium -> references one source holds to one hash
+Refs = dict[tuple[BlockHash, str], int]  # (hash, medium) -> references one source holds
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,7 +56,6 @@ class FleetSnapshot:
 
     nodes: dict[BlockHash, FleetNode]
     version: int
-    sources: dict[SourceId, int] = field(default_factory=dict)  # source -> blocks it holds
 
     def children(self) -> dict[BlockHash | None, list[BlockHash]]:
         return _children(self.nodes)
@@ -63,9 +65,11 @@ class FleetTree:
     def __init__(self) -> None:
         self.nodes: dict[BlockHash, FleetNode] = {}
         self.version = 0  # +1 per apply or clear that changed something
-        self._refs: dict[SourceId, dict[BlockHash, Held]] = {}
+        self._refs: dict[SourceId, Refs] = {}
+        self._media: list[str] = []  # every medium seen, in order of appearance
+        self._sets: dict[frozenset[str], frozenset[str]] = {}  # one object per distinct set
         # (parent hash, a block's tokens) -> the hashes stored there: longest_prefix's steps
-        self._index: dict[tuple[BlockHash | None, tuple[int, ...]], set[BlockHash]] = {}
+        self._index: dict[tuple[BlockHash | None, tuple[int, ...]], tuple[BlockHash, ...]] = {}
 
     # ------------------------------------------------------------------ changes
 
@@ -88,36 +92,33 @@ class FleetTree:
         refs = self._refs.pop(source, None)
         if not refs:
             return False
-        for h in refs:
+        for h in {h for h, _ in refs}:
             self._refresh(h)
         self.version += 1
         return True
 
-    def _stored(self, refs: dict[BlockHash, Held], event: Stored) -> bool:
-        medium, bs, tokens = medium_name(event.medium), event.block_size, event.token_ids
+    def _stored(self, refs: Refs, event: Stored) -> bool:
+        medium, bs, tokens = self._medium(event.medium), event.block_size, event.token_ids
         parent, changed = event.parent_block_hash, False
         for i, h in enumerate(event.block_hashes):
-            held = refs.setdefault(h, {})
-            n = held.get(medium, 0)
-            held[medium] = n + 1
+            n = refs.get((h, medium), 0)
+            refs[(h, medium)] = n + 1
             if n == 0:  # a new holder: the node's media or sources change
                 self._refresh(h, parent, tokens[i * bs : (i + 1) * bs])
                 changed = True
             parent = h
         return changed
 
-    def _removed(self, refs: dict[BlockHash, Held], event: Removed) -> bool:
-        medium, changed = medium_name(event.medium), False
+    def _removed(self, refs: Refs, event: Removed) -> bool:
+        medium, changed = self._medium(event.medium), False
         for h in event.block_hashes:
-            held = refs.get(h)
-            if not held or medium not in held:
+            n = refs.get((h, medium))
+            if not n:
                 continue  # stored before we subscribed (the replay did not reach back)
-            held[medium] -= 1
-            if held[medium]:
-                continue  # vLLM stored it twice: the last removal frees it
-            del held[medium]
-            if not held:
-                del refs[h]
+            if n > 1:
+                refs[(h, medium)] = n - 1  # vLLM stored it twice: the last removal frees it
+                continue
+            del refs[(h, medium)]
             self._refresh(h)
             changed = True
         return changed
@@ -128,10 +129,10 @@ class FleetTree:
         media: set[str] = set()
         sources: set[SourceId] = set()
         for source, refs in self._refs.items():
-            held = refs.get(h)
-            if held:
-                media.update(held)
-                sources.add(source)
+            for m in self._media:
+                if (h, m) in refs:
+                    media.add(m)
+                    sources.add(source)
         node = self.nodes.get(h)
         if not sources:
             if node is not None:
@@ -139,26 +140,37 @@ class FleetTree:
                 self._unindex(node)
             return
         if node is None:
-            node = FleetNode(h, parent, tokens, frozenset(media), frozenset(sources))
-            self._index.setdefault((parent, tokens), set()).add(h)
+            node = FleetNode(h, parent, tokens, self._shared(media), self._shared(sources))
+            key = (parent, tokens)
+            self._index[key] = self._index.get(key, ()) + (h,)
         else:  # the first description stays: the same hash is the same prefix
-            node = FleetNode(h, node.parent_hash, node.token_ids, frozenset(media),
-                             frozenset(sources))  # fmt: skip
+            node = FleetNode(h, node.parent_hash, node.token_ids, self._shared(media),
+                             self._shared(sources))  # fmt: skip
         self.nodes[h] = node
+
+    def _shared(self, items: set[str]) -> frozenset[str]:
+        s = frozenset(items)
+        return self._sets.setdefault(s, s)
+
+    def _medium(self, medium: str | None) -> str:
+        m = medium_name(medium)
+        if m not in self._media:
+            self._media.append(m)
+        return m
 
     def _unindex(self, node: FleetNode) -> None:
         key = (node.parent_hash, node.token_ids)
-        hashes = self._index.get(key)
-        if hashes is not None:
-            hashes.discard(node.block_hash)
-            if not hashes:
-                del self._index[key]
+        rest = tuple(x for x in self._index.get(key, ()) if x != node.block_hash)
+        if rest:
+            self._index[key] = rest
+        else:
+            self._index.pop(key, None)
 
     # ------------------------------------------------------------------ questions
 
     def sources(self) -> dict[SourceId, int]:
-        """Every source seen -> how many blocks it holds now."""
-        return {s: len(refs) for s, refs in self._refs.items()}
+        """Every source seen -> how many blocks it holds now. O(its blocks)."""
+        return {s: len({h for h, _ in refs}) for s, refs in self._refs.items()}
 
     def sources_holding(self, h: BlockHash) -> frozenset[SourceId]:
         node = self.nodes.get(h)
@@ -166,7 +178,8 @@ class FleetTree:
 
     def references(self, source: SourceId, h: BlockHash) -> dict[str, int]:
         """medium -> how many times `source` stored `h` there and has not yet removed it."""
-        return dict(self._refs.get(source, {}).get(h, {}))
+        refs = self._refs.get(source, {})
+        return {m: refs[(h, m)] for m in self._media if (h, m) in refs}
 
     def longest_prefix(self, source: SourceId, token_ids: Iterable[int], block_size: int,
                        media: Collection[str] | None = None) -> int:  # fmt: skip
@@ -187,8 +200,8 @@ class FleetTree:
         return matched
 
     def _holds(self, source: SourceId, h: BlockHash, media: Collection[str] | None) -> bool:
-        held = self._refs.get(source, {}).get(h)
-        return bool(held) and (media is None or any(m in held for m in media))
+        refs = self._refs.get(source, {})
+        return any((h, m) in refs for m in (self._media if media is None else media))
 
     def edges(self) -> dict[BlockHash, BlockHash | None]:
         """block hash -> parent hash, the whole forest (what tests compare)."""
@@ -203,7 +216,7 @@ class FleetTree:
         return _children(self.nodes)
 
     def snapshot(self) -> FleetSnapshot:
-        return FleetSnapshot(dict(self.nodes), self.version, self.sources())
+        return FleetSnapshot(dict(self.nodes), self.version)
 
 
 def _children(nodes: dict[BlockHash, FleetNode]) -> dict[BlockHash | None, list[BlockHash]]:

@@ -94,7 +94,6 @@ def test_snapshot_is_a_copy_the_next_batch_does_not_change():
     snap = t.snapshot()
     t.apply("a", batch(stored([2], 1, [2, 2])))
     assert list(snap.nodes) == [1] and snap.children() == {None: [1]}
-    assert snap.sources == {"a": 1}
 
 
 @pytest.mark.parametrize("hash_kind", ["int", "bytes"])
