@@ -48,6 +48,7 @@ BARS = [
     ("evicted, on disk only", _muted(TIER_COLOURS["disk"])),
 ]
 BAR_COLOURS = np.array([pg.mkColor(c).getRgb() for _, c in BARS] + [(0, 0, 0, 0)], np.uint8)
+BAR_RGBA32 = BAR_COLOURS.view(np.uint32).ravel()  # the same bytes, one word per colour
 # a remote tree's legend: the same colours, named by medium (no pool, no requests over events)
 REMOTE_BARS = {CACHED_BAR: "on the GPU", HOST_BAR: "in CPU memory only",
                DISK_BAR: "on disk or storage only"}  # fmt: skip
@@ -125,6 +126,7 @@ class PrefixTreePanel(QWidget):
         self.note.setText(note if note is not None else (
             f"{layout.num_blocks:,} cached blocks{tiers} · {layout.num_rows:,} branches · "
             f"{layout.num_roots:,} roots" + ("" if in_sync else " · events lost, replay requested")
+            + sampled_note(layout)
         ))  # fmt: skip
         self._set_legend(tiers=bool(host + disk))
 
@@ -176,11 +178,13 @@ class PrefixTreePanel(QWidget):
         kind[lay.tier == DISK_ONLY] = DISK_BAR
         kind[self._selected(lay)] = SELECTED_BAR
         self.kind = kind
-        # owner -1 (no block) -> EMPTY_BAR, a transparent colour
-        colour_of_owner = np.concatenate(([EMPTY_BAR], kind)).astype(np.intp)
-        rgba = BAR_COLOURS[colour_of_owner[lay.owner + 1]]
+        # owner -1 (no block) -> EMPTY_BAR, a transparent colour; one 32-bit gather per cell
+        # (not four bytes): a 100,000-block tree's image has millions of cells
+        colour_of_owner = BAR_RGBA32[np.concatenate(([EMPTY_BAR], kind)).astype(np.intp)]
+        rgba = colour_of_owner[lay.owner + 1].view(np.uint8).reshape(*lay.owner.shape, 4)
         self.image.setImage(rgba, autoLevels=False)
         rows2, cols = lay.owner.shape
+        rows2 *= lay.row_step
         # sub-row k covers rows [k / 2 - 0.5, (k + 1) / 2 - 0.5); column c tokens [c bs, (c+1) bs)
         self.image.setRect(QRectF(0.0, -0.5, cols * lay.block_size, rows2 / 2))
 
@@ -238,6 +242,12 @@ class PrefixTreePanel(QWidget):
                 lines.append("owners: " + ", ".join(o[:12] for o in owners[:6]))
         lines.append(f"token ids: {lay.tokens[i][:16]}")
         return "\n".join(lines)
+
+
+def sampled_note(layout: TreeLayout) -> str:
+    """Said when a huge tree is drawn with every n-th row only (prefix_tree_layout.MAX_CELLS)."""
+    step = layout.row_step
+    return f" · drawn at 1 row in {step} (too many to draw all)" if step > 1 else ""
 
 
 def where_text(media: frozenset[str]) -> str:

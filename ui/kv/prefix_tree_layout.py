@@ -21,6 +21,10 @@ import numpy as np
 from ipc.kv_events import HOST, POOL, PrefixTree
 
 IN_POOL, HOST_ONLY, DISK_ONLY = 0, 1, 2  # TreeLayout.tier: the highest medium holding a block
+# Most cells of the band image (int32 owners, then as many RGBA words to draw): ~64 MB. A tree
+# with more rows x depth is drawn with every `row_step`-th sub-row only: a band thinner than
+# that (one conversation among thousands) may not show until the tree shrinks.
+MAX_CELLS = 8_000_000
 
 
 @dataclass(slots=True)
@@ -34,7 +38,8 @@ class TreeLayout:
     hashes: list[bytes]  # block hash per block
     tokens: list[list[int]]
     block_size: int
-    # owner[2 * row + k, depth] = index of the block drawn there, -1 = nothing; each band
+    # owner[(2 * row + k) // row_step, depth] = index of the block drawn there, -1 = nothing
+    # (row_step 1 but for huge trees); each band
     # leaves its last half-row empty, so sibling bands of one colour stay apart
     owner: np.ndarray = field(default_factory=lambda: np.full((0, 0), -1, np.int32))
     num_rows: int = 0
@@ -42,6 +47,7 @@ class TreeLayout:
     tier: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # IN_POOL, ...
     media: list[frozenset[str]] = field(default_factory=list)  # every medium holding it
     parent: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # index, -1: root
+    row_step: int = 1  # sub-rows per image row (MAX_CELLS)
 
     def count(self, tier: int) -> int:
         return int(np.count_nonzero(self.tier == tier))
@@ -55,15 +61,15 @@ class TreeLayout:
         row r covering [r - 0.5, r + 0.5))."""
         if self.num_blocks == 0 or x < 0:
             return None
-        r, c = int(np.floor(2 * (y + 0.5))), int(x // self.block_size)
+        r, c = int(np.floor(2 * (y + 0.5))) // self.row_step, int(x // self.block_size)
         if not (0 <= r < self.owner.shape[0] and 0 <= c < self.owner.shape[1]):
             return None
         i = int(self.owner[r, c])
         return None if i < 0 else i
 
 
-def layout_tree(tree: PrefixTree, tier_of: Callable[[frozenset[str]], int] | None = None
-                ) -> TreeLayout:  # fmt: skip
+def layout_tree(tree: PrefixTree, tier_of: Callable[[frozenset[str]], int] | None = None,
+                max_cells: int = MAX_CELLS) -> TreeLayout:  # fmt: skip
     """`tree`: a PrefixTree, or anything with its `nodes` and `children()` (a fleet tree of
     vLLM-format events); `tier_of`: IN_POOL, HOST_ONLY or DISK_ONLY from a block's media
     (default: KVScope's pool, host and disk)."""
@@ -104,9 +110,11 @@ def layout_tree(tree: PrefixTree, tier_of: Callable[[frozenset[str]], int] | Non
         for k in kids_of[i]:
             row_end[i] = max(row_end[i], row_end[k])
     cols = max(depth_of, default=0) + 1
-    owner = np.full((2 * max(1, next_row), cols), -1, np.int32)
-    for i in range(len(hashes)):
-        owner[2 * rows[i] : 2 * row_end[i] + 1, depth_of[i]] = i
+    rows2 = 2 * max(1, next_row)
+    step = max(1, -(-rows2 * cols // max_cells))
+    owner = np.full((-(-rows2 // step), cols), -1, np.int32)
+    for i in range(len(hashes)):  # the sampled sub-rows j * step inside the band
+        owner[-(-2 * rows[i] // step) : 2 * row_end[i] // step + 1, depth_of[i]] = i
     return TreeLayout(
         x0=np.asarray(depth_of, dtype=np.float64) * block_size,
         row=np.asarray(rows, dtype=np.float64),
@@ -121,6 +129,7 @@ def layout_tree(tree: PrefixTree, tier_of: Callable[[frozenset[str]], int] | Non
         tier=np.asarray([tier_of(nodes[h].media) for h in hashes], dtype=np.uint8),
         media=[frozenset(nodes[h].media) for h in hashes],
         parent=np.asarray(parents, dtype=np.int64),
+        row_step=step,
     )
 
 

@@ -16,6 +16,7 @@ from PySide6.QtCore import QObject, QTimer
 
 from app.remote.probe import ServerInfo
 from ipc.vllm_events.sequencer import SeqStats
+from ui.kv.prefix_tree import sampled_note
 from ui.kv.prefix_tree_layout import DISK_ONLY, HOST_ONLY, TreeLayout
 from ui.remote.detokenizer import Detokenizer
 from ui.remote.kv_events_link import KvEventsLink
@@ -119,7 +120,7 @@ class KvEventsWatch(QObject):
         host, disk = lay.count(HOST_ONLY), lay.count(DISK_ONLY)
         tiers = f" ({host:,} in CPU memory only, {disk:,} on storage only)" if host + disk else ""
         parts = [f"{lay.num_blocks:,} blocks{tiers} · {lay.num_rows:,} branches · "
-                 f"{lay.num_roots:,} roots"]
+                 f"{lay.num_roots:,} roots" + sampled_note(lay)]
         for name, st in self.stats().items():
             parts.append(f"{name}: " + source_note(st, self.link.errors.get(name) if self.link
                                                    else None))  # fmt: skip
