@@ -1,8 +1,8 @@
 """Token ids as text through the watched server's `POST /detokenize` (vLLM and KVScope:
-{"model", "tokens": [...]} -> {"prompt": "..."}; SGLang answers {"text": ...}, llama.cpp's
-server {"content": ...}), for the prefix tree's hover. One worker thread asks; the GUI thread
-only reads a cache (`text`), which says None until the answer is in (the hover shows the ids
-meanwhile) and for good once the server turns out to have no such route.
+{"model", "tokens": [...]} -> {"prompt": "..."}; llama.cpp's server answers {"content": ...},
+some servers {"text": ...}: all are read), for the prefix tree's hover. One worker thread
+asks; the GUI thread only reads a cache (`text`), which says None until the answer is in (the
+hover shows the ids meanwhile) and for good once the server turns out to have no such route.
 """
 
 from __future__ import annotations
