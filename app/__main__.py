@@ -2,7 +2,8 @@
 
     kvscope [gui] [options]      the window (spawns the engine, or --connect to a running one,
                                  or --connect http://HOST:PORT to watch vLLM, SGLang, llama.cpp's
-                                 server or `kvscope serve` over HTTP)
+                                 server or `kvscope serve` over HTTP; with --kv-events
+                                 tcp://HOST:5557 its prefix tree from its KV events)
     kvscope chat ...             terminal chat (app.chat)
     kvscope bench ...            benchmarks (app.bench)
     kvscope serve ...            OpenAI-compatible HTTP API and Prometheus metrics (app.serve)
@@ -45,6 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="attach to a running engine instead of spawning one (e.g. tcp://127.0.0.1:5557), "
         "or watch a server over HTTP: http://HOST:PORT of vLLM, SGLang, llama.cpp's server "
         "(--metrics) or kvscope serve",
+    )
+    ap.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="with --connect http://...: the server's KV event publisher (vLLM's or SGLang's "
+        "--kv-events-config endpoint, e.g. tcp://HOST:5557, or ipc://PATH); the Prefix tree tab "
+        "draws its blocks",
+    )
+    ap.add_argument(
+        "--kv-events-replay",
+        metavar="ENDPOINT",
+        help="that publisher's replay_endpoint (e.g. tcp://HOST:5558): events missed while "
+        "joining or lost on the way are asked for again",
+    )
+    ap.add_argument(
+        "--kv-events-topic", default="", help="subscribe to this topic prefix only (default: all)"
     )
     ap.add_argument("--token", default=None, help="engine access token (or $KVSCOPE_TOKEN)")
     ap.add_argument(
@@ -145,7 +162,25 @@ def main(argv: list[str] | None = None) -> int:
     return run_gui(args)
 
 
+def kv_events_arg(args: argparse.Namespace):
+    """The --kv-events source (None without one); ValueError naming the flag that is wrong."""
+    from app.remote.kv_events_source import make_source
+    from app.remote.probe import is_http_url
+
+    source = make_source(args.kv_events, args.kv_events_replay, args.kv_events_topic,
+                         fields=("--kv-events", "--kv-events-replay"))  # fmt: skip
+    if source is not None and not is_http_url(args.connect):
+        raise ValueError("--kv-events needs --connect http://HOST:PORT (the server whose KV "
+                         "events they are)")
+    return source
+
+
 def run_gui(args: argparse.Namespace) -> int:
+    try:
+        kv_events = kv_events_arg(args)
+    except ValueError as exc:
+        print(f"kvscope: {exc}", file=sys.stderr)
+        return 2
     headless = bool(args.screenshot or args.measure_latency)
     if headless and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -191,6 +226,7 @@ def run_gui(args: argparse.Namespace) -> int:
         options=options,
         token=args.token or os.environ.get("KVSCOPE_TOKEN"),
         api_key=api_key,
+        kv_events=kv_events,
     )
     win = MainWindow(settings, store, source, refresh_hz=args.refresh_hz, data_dir=ddir)
     win.show()

@@ -8,9 +8,15 @@ a block evicted from the pool that a lower KV tier still holds is drawn in that 
 muted (host memory, or disk only), the tiers strip's hues. Hovering a band shows its tokens,
 where it lives, pool block, owners, the hits this window saw and last use. Items are created
 once; the redraw timer refills one small image, and does nothing when nothing changed.
+
+The same panel draws a remote server's tree from its vLLM-format KV events
+(ui/window/kv_events.py, `use_remote`): coloured by the fastest medium holding a block (GPU,
+CPU memory, storage), with a hover the caller writes (the sources holding it, its text).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pyqtgraph as pg
@@ -42,6 +48,11 @@ BARS = [
     ("evicted, on disk only", _muted(TIER_COLOURS["disk"])),
 ]
 BAR_COLOURS = np.array([pg.mkColor(c).getRgb() for _, c in BARS] + [(0, 0, 0, 0)], np.uint8)
+BAR_RGBA32 = BAR_COLOURS.view(np.uint32).ravel()  # the same bytes, one word per colour
+# a remote tree's legend: the same colours, named by medium (no pool, no requests over events)
+REMOTE_BARS = {CACHED_BAR: "on the GPU", HOST_BAR: "in CPU memory only",
+               DISK_BAR: "on disk or storage only"}  # fmt: skip
+WAITING = "waiting for KV cache events from the engine"
 MEDIUM_NAMES = {"pool": "the pool", "host": "host memory", "disk": "disk"}
 _MEDIUM_ORDER = {m: i for i, m in enumerate(MEDIUM_NAMES)}
 
@@ -56,11 +67,13 @@ class PrefixTreePanel(QWidget):
         self.plot.getAxis("left").setStyle(showValues=False)
         self.plot.getAxis("left").setWidth(8)
         self.plot.setLabel("bottom", "token position")
-        self.note = QLabel("waiting for KV cache events from the engine")
+        self.note = QLabel(WAITING)
         self.note.setStyleSheet(f"color: {theme.MUTED}; padding: 2px 6px;")
         self.legend = QLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setStyleSheet(f"color: {theme.MUTED}; padding: 2px 6px;")
+        # a remote tree's hover (layout, block index -> text); None: the engine's own
+        self.describer: Callable[[TreeLayout, int], str] | None = None
         self._set_legend(tiers=False)
         top = QHBoxLayout()
         top.addWidget(self.note, 1)
@@ -86,19 +99,44 @@ class PrefixTreePanel(QWidget):
 
     # ------------------------------------------------------------------ inputs
 
-    def set_layout(self, layout: TreeLayout, in_sync: bool = True) -> None:
+    def use_remote(self, describer: Callable[[TreeLayout, int], str], waiting: str) -> None:
+        """Draw a remote server's tree (its KV events in vLLM's format) from now on."""
+        self.describer = describer
+        self.clear(waiting)
+
+    def use_engine(self) -> None:
+        """Back to the engine's own tree."""
+        if self.describer is not None:
+            self.describer = None
+            self.clear(WAITING)
+
+    def clear(self, note: str) -> None:
+        self.layout_ = None
+        self.image.clear()
+        self.note.setText(note)
+        self._set_legend(tiers=False)
+
+    def set_layout(self, layout: TreeLayout, in_sync: bool = True, note: str | None = None,
+                   ) -> None:  # fmt: skip
+        """`note`: what the caller says above the tree instead of the engine's counts."""
         self.layout_ = layout
         self._dirty = True
         host, disk = layout.count(HOST_ONLY), layout.count(DISK_ONLY)
         tiers = f" ({host:,} in host memory only, {disk:,} on disk only)" if host + disk else ""
-        self.note.setText(
+        self.note.setText(note if note is not None else (
             f"{layout.num_blocks:,} cached blocks{tiers} · {layout.num_rows:,} branches · "
             f"{layout.num_roots:,} roots" + ("" if in_sync else " · events lost, replay requested")
-        )
+            + sampled_note(layout)
+        ))  # fmt: skip
         self._set_legend(tiers=bool(host + disk))
 
     def _set_legend(self, tiers: bool) -> None:
         """The colours' meanings; the tiers' only once the tree has blocks only they hold."""
+        if self.describer is not None:
+            kinds = (CACHED_BAR, HOST_BAR, DISK_BAR) if tiers else (CACHED_BAR,)
+            self.legend.setText(" ".join(
+                f'<span style="color:{BARS[k][1]}">■</span> {REMOTE_BARS[k]}' for k in kinds))
+            return
         shown = BARS if tiers else BARS[:HOST_BAR]
         self.legend.setText(
             " ".join(f'<span style="color:{c}">■</span> {text}' for text, c in shown)
@@ -140,11 +178,13 @@ class PrefixTreePanel(QWidget):
         kind[lay.tier == DISK_ONLY] = DISK_BAR
         kind[self._selected(lay)] = SELECTED_BAR
         self.kind = kind
-        # owner -1 (no block) -> EMPTY_BAR, a transparent colour
-        colour_of_owner = np.concatenate(([EMPTY_BAR], kind)).astype(np.intp)
-        rgba = BAR_COLOURS[colour_of_owner[lay.owner + 1]]
+        # owner -1 (no block) -> EMPTY_BAR, a transparent colour; one 32-bit gather per cell
+        # (not four bytes): a 100,000-block tree's image has millions of cells
+        colour_of_owner = BAR_RGBA32[np.concatenate(([EMPTY_BAR], kind)).astype(np.intp)]
+        rgba = colour_of_owner[lay.owner + 1].view(np.uint8).reshape(*lay.owner.shape, 4)
         self.image.setImage(rgba, autoLevels=False)
         rows2, cols = lay.owner.shape
+        rows2 *= lay.row_step
         # sub-row k covers rows [k / 2 - 0.5, (k + 1) / 2 - 0.5); column c tokens [c bs, (c+1) bs)
         self.image.setRect(QRectF(0.0, -0.5, cols * lay.block_size, rows2 / 2))
 
@@ -184,6 +224,8 @@ class PrefixTreePanel(QWidget):
     def describe(self, i: int) -> str:
         lay = self.layout_
         assert lay is not None
+        if self.describer is not None:
+            return self.describer(lay, i)
         block_id = int(lay.block_id[i])
         start = int(lay.x0[i])
         lines = [f"tokens {start}–{start + lay.block_size - 1} · hash {lay.hashes[i][:4].hex()}"]
@@ -200,6 +242,12 @@ class PrefixTreePanel(QWidget):
                 lines.append("owners: " + ", ".join(o[:12] for o in owners[:6]))
         lines.append(f"token ids: {lay.tokens[i][:16]}")
         return "\n".join(lines)
+
+
+def sampled_note(layout: TreeLayout) -> str:
+    """Said when a huge tree is drawn with every n-th row only (prefix_tree_layout.MAX_CELLS)."""
+    step = layout.row_step
+    return f" · drawn at 1 row in {step} (too many to draw all)" if step > 1 else ""
 
 
 def where_text(media: frozenset[str]) -> str:

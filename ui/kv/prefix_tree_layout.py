@@ -13,6 +13,7 @@ highest tier holding them (`tier`: where a request would load them from).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,10 @@ import numpy as np
 from ipc.kv_events import HOST, POOL, PrefixTree
 
 IN_POOL, HOST_ONLY, DISK_ONLY = 0, 1, 2  # TreeLayout.tier: the highest medium holding a block
+# Most cells of the band image (int32 owners, then as many RGBA words to draw): ~64 MB. A tree
+# with more rows x depth is drawn with every `row_step`-th sub-row only: a band thinner than
+# that (one conversation among thousands) may not show until the tree shrinks.
+MAX_CELLS = 8_000_000
 
 
 @dataclass(slots=True)
@@ -33,13 +38,16 @@ class TreeLayout:
     hashes: list[bytes]  # block hash per block
     tokens: list[list[int]]
     block_size: int
-    # owner[2 * row + k, depth] = index of the block drawn there, -1 = nothing; each band
+    # owner[(2 * row + k) // row_step, depth] = index of the block drawn there, -1 = nothing
+    # (row_step 1 but for huge trees); each band
     # leaves its last half-row empty, so sibling bands of one colour stay apart
     owner: np.ndarray = field(default_factory=lambda: np.full((0, 0), -1, np.int32))
     num_rows: int = 0
     num_roots: int = 0
     tier: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # IN_POOL, ...
     media: list[frozenset[str]] = field(default_factory=list)  # every medium holding it
+    parent: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # index, -1: root
+    row_step: int = 1  # sub-rows per image row (MAX_CELLS)
 
     def count(self, tier: int) -> int:
         return int(np.count_nonzero(self.tier == tier))
@@ -53,14 +61,19 @@ class TreeLayout:
         row r covering [r - 0.5, r + 0.5))."""
         if self.num_blocks == 0 or x < 0:
             return None
-        r, c = int(np.floor(2 * (y + 0.5))), int(x // self.block_size)
+        r, c = int(np.floor(2 * (y + 0.5))) // self.row_step, int(x // self.block_size)
         if not (0 <= r < self.owner.shape[0] and 0 <= c < self.owner.shape[1]):
             return None
         i = int(self.owner[r, c])
         return None if i < 0 else i
 
 
-def layout_tree(tree: PrefixTree) -> TreeLayout:
+def layout_tree(tree: PrefixTree, tier_of: Callable[[frozenset[str]], int] | None = None,
+                max_cells: int = MAX_CELLS) -> TreeLayout:  # fmt: skip
+    """`tree`: a PrefixTree, or anything with its `nodes` and `children()` (a fleet tree of
+    vLLM-format events); `tier_of`: IN_POOL, HOST_ONLY or DISK_ONLY from a block's media
+    (default: KVScope's pool, host and disk)."""
+    tier_of = tier_of or _tier_of
     nodes = tree.nodes
     children = tree.children()
     block_size = next((n.num_tokens for n in nodes.values()), 16) or 16
@@ -68,6 +81,7 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
     rows: list[int] = []
     hashes: list[bytes] = []
     kids_of: list[list[int]] = []  # indexes of each block's children, in layout order
+    parents: list[int] = []
     next_row = 0
     roots = sorted(children.get(None, []), key=lambda h: _first_token_key(nodes[h]))
     # Iterative depth-first walk; the first child continues its parent's row, every later
@@ -85,6 +99,7 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
         depth_of.append(depth)
         rows.append(row)
         kids_of.append([])
+        parents.append(parent)
         if parent >= 0:
             kids_of[parent].append(i)
         kids = sorted(children.get(h, []), key=lambda k: _first_token_key(nodes[k]))
@@ -95,9 +110,11 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
         for k in kids_of[i]:
             row_end[i] = max(row_end[i], row_end[k])
     cols = max(depth_of, default=0) + 1
-    owner = np.full((2 * max(1, next_row), cols), -1, np.int32)
-    for i in range(len(hashes)):
-        owner[2 * rows[i] : 2 * row_end[i] + 1, depth_of[i]] = i
+    rows2 = 2 * max(1, next_row)
+    step = max(1, -(-rows2 * cols // max_cells))
+    owner = np.full((-(-rows2 // step), cols), -1, np.int32)
+    for i in range(len(hashes)):  # the sampled sub-rows j * step inside the band
+        owner[-(-2 * rows[i] // step) : 2 * row_end[i] // step + 1, depth_of[i]] = i
     return TreeLayout(
         x0=np.asarray(depth_of, dtype=np.float64) * block_size,
         row=np.asarray(rows, dtype=np.float64),
@@ -109,12 +126,14 @@ def layout_tree(tree: PrefixTree) -> TreeLayout:
         owner=owner,
         num_rows=next_row,
         num_roots=len(roots),
-        tier=np.asarray([_tier_of(nodes[h].media) for h in hashes], dtype=np.uint8),
+        tier=np.asarray([tier_of(nodes[h].media) for h in hashes], dtype=np.uint8),
         media=[frozenset(nodes[h].media) for h in hashes],
+        parent=np.asarray(parents, dtype=np.int64),
+        row_step=step,
     )
 
 
-def _tier_of(media: set[str]) -> int:
+def _tier_of(media: frozenset[str] | set[str]) -> int:
     return IN_POOL if POOL in media else HOST_ONLY if HOST in media else DISK_ONLY
 
 

@@ -1,5 +1,7 @@
 """*Engine → Connect to server…*: the URL of a vLLM, SGLang, llama.cpp or KVScope server (from a
-remembered list) and an optional API key. The URLs are remembered, the key never is."""
+remembered list), an optional API key, and optionally the server's KV events endpoint (vLLM's
+and SGLang's `--kv-events-config` publisher) and its replay endpoint, whose events the *Prefix
+tree* tab draws. The URLs are remembered, the key and the endpoints are not."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.remote.kv_events_source import ENDPOINT_FORMS, KvEventsSource, make_source
 from app.remote.probe import normalize_url
 
 RECENT_KEY = "remote/recent"
@@ -54,6 +57,13 @@ class ConnectDialog(QDialog):
         self.key = QLineEdit()
         self.key.setEchoMode(QLineEdit.EchoMode.Password)
         self.key.setPlaceholderText("none")
+        self.kv_events = QLineEdit()
+        self.kv_events.setPlaceholderText("optional: tcp://HOST:5557")
+        self.kv_events.setToolTip("the publisher of --kv-events-config (vLLM, SGLang): the "
+                                  f"Prefix tree tab draws its blocks. {ENDPOINT_FORMS}")
+        self.kv_replay = QLineEdit()
+        self.kv_replay.setPlaceholderText("optional: tcp://HOST:5558")
+        self.kv_replay.setToolTip("its replay_endpoint: missed events are asked for again")
         self.error = QLabel()
         self.error.setStyleSheet("color: #ff8a80;")
         self.error.setWordWrap(True)
@@ -67,6 +77,8 @@ class ConnectDialog(QDialog):
         form = QFormLayout()
         form.addRow("Server URL", self.url)
         form.addRow("API key", self.key)
+        form.addRow("KV events endpoint", self.kv_events)
+        form.addRow("Replay endpoint", self.kv_replay)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok
                                    | QDialogButtonBox.StandardButton.Cancel)
         buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Connect")
@@ -81,6 +93,7 @@ class ConnectDialog(QDialog):
     def accept(self) -> None:
         try:
             normalize_url(self.url.currentText())
+            self.kv_events_source()
         except ValueError as exc:  # stay open and say what is wrong
             self.error.setText(str(exc))
             self.error.setVisible(True)
@@ -89,3 +102,7 @@ class ConnectDialog(QDialog):
 
     def values(self) -> tuple[str, str | None]:
         return normalize_url(self.url.currentText()), (self.key.text().strip() or None)
+
+    def kv_events_source(self) -> KvEventsSource | None:
+        """The KV event publisher given (None: none); ValueError naming the field wrong."""
+        return make_source(self.kv_events.text(), self.kv_replay.text())

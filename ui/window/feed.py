@@ -88,6 +88,8 @@ class TelemetryFeed(QObject):
         phase = PHASES[self._tick % len(PHASES)]
         self._tick += 1
         aggregate = w.kv_stack.currentWidget() is w.kv_aggregate
+        # a server's /metrics charts, whether its KV area shows usage or its KV events' tree
+        metric = w.chart_stack.currentWidget() is w.metric_charts
         if phase == "map":
             if aggregate:
                 w.kv_aggregate.redraw()
@@ -97,7 +99,7 @@ class TelemetryFeed(QObject):
                 w.expert_view.redraw()
             else:
                 w.block_map.redraw()
-        elif aggregate:
+        elif metric:
             w.metric_charts.refresh(w.metric_history)  # a no-op when no new scrape arrived
         else:
             w.charts.refresh(w.history, part=phase)
@@ -106,9 +108,12 @@ class TelemetryFeed(QObject):
     def redraw_now(self) -> None:
         """Both panels at once (screenshots)."""
         w = self.w
-        if w.kv_stack.currentWidget() is w.kv_aggregate:
+        if w.chart_stack.currentWidget() is w.metric_charts:
             w.metric_charts.refresh(w.metric_history)
-            w.kv_aggregate.redraw(force=True)
+            if w.kv_stack.currentWidget() is w.kv_aggregate:
+                w.kv_aggregate.redraw(force=True)
+            else:
+                w.prefix_tree.redraw(force=True)
             return
         w.charts.refresh(w.history)
         w.block_map.redraw(force=True)

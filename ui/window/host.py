@@ -78,6 +78,14 @@ class FeedPart(Protocol):
     def on_prefix_tree(self, layout: object, in_sync: bool) -> None: ...
 
 
+class KvEventsPart(Protocol):
+    """ui/window/kv_events.py's KvEventsWatch, as the other parts call it."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def on_connected(self, info: ServerInfo) -> None: ...
+
+
 class ApiPart(Protocol):
     """ui/window/api.py's ApiToggle, as the other parts call it."""
 
@@ -133,6 +141,7 @@ class WindowHost(Protocol):
     remote: RemotePart
     feed: FeedPart
     api_toggle: ApiPart
+    kv_events: KvEventsPart
 
     def statusBar(self) -> QStatusBar: ...  # noqa: N802 - Qt's name
     def set_state(self, state: str, detail: str = "") -> None: ...

@@ -73,6 +73,7 @@ from ui.window.connect_dialog import ConnectDialog
 from ui.window.controls import ControlsPanel, LoadPanel, config_dict
 from ui.window.engine import EngineLifecycle
 from ui.window.feed import TelemetryFeed
+from ui.window.kv_events import KvEventsWatch
 from ui.window.models_menu import ModelMenu
 from ui.window.options import EngineOptionMenus
 from ui.window.remote import RemoteWatch
@@ -116,6 +117,7 @@ class MainWindow(QMainWindow):
         self.option_menus = EngineOptionMenus(self)
         self.model_menu = ModelMenu(self)
         self.remote = RemoteWatch(self)
+        self.kv_events = KvEventsWatch(self)  # a server's KV events (vLLM's format), when named
         self._chat_aliases = self.remote.aliases  # chat request id -> its HTTP response id
         self.api_toggle = ApiToggle(self)
         self.feed = TelemetryFeed(self, refresh_hz)
@@ -331,9 +333,11 @@ class MainWindow(QMainWindow):
     def open_connect_dialog(self) -> None:
         self.remote.open_connect_dialog()
 
-    def connect_to(self, url: str, api_key: str | None = None) -> None:
-        """Watch the server at `url` (remembered in the recent list; the key is not)."""
-        self.remote.connect_to(url, api_key)
+    def connect_to(self, url: str, api_key: str | None = None, kv_events=None) -> None:
+        """Watch the server at `url` (remembered in the recent list; the key is not), and its
+        KV event publisher when `kv_events` (an app.remote.kv_events_source.KvEventsSource)
+        names one."""
+        self.remote.connect_to(url, api_key, kv_events)
 
     def use_local_engine(self) -> None:
         self.remote.use_local_engine()
@@ -381,6 +385,7 @@ class MainWindow(QMainWindow):
         tracker = getattr(self.link, "tree", None)
         if tracker is not None:
             tracker.wanted = self.kv_tabs.currentWidget() is self.prefix_tree
+        self.kv_events.sync_wanted()
 
     def on_block_request_selected(self, rid: str) -> None:
         """A request picked in the block map: show its conversation when it is one of ours."""
@@ -455,6 +460,7 @@ class MainWindow(QMainWindow):
         if self.link is not None:
             self.link.stop(timeout=2.0)
             self.link = None
+        self.kv_events.stop()
         self.api.shutdown()
         if self.supervisor is not None:
             self.supervisor.stop(timeout=5.0)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from PySide6.QtCore import QObject
 
+from app.remote.kv_events_source import KvEventsSource
 from app.remote.probe import ServerInfo
 from app.remote.samples import MetricSample
 from ui.remote.link import RemoteLink
@@ -53,21 +54,25 @@ class RemoteWatch(QObject):
             return
         self.w.connect_dialog = None
         url, key = dialog.values()
-        self.connect_to(url, key)
+        self.connect_to(url, key, dialog.kv_events_source())
 
-    def connect_to(self, url: str, api_key: str | None = None) -> None:
-        """Watch the server at `url` (remembered in the recent list; the key is not)."""
+    def connect_to(self, url: str, api_key: str | None = None,
+                   kv_events: KvEventsSource | None = None) -> None:  # fmt: skip
+        """Watch the server at `url` (remembered in the recent list; the key is not), and its
+        KV event publisher when `kv_events` names one."""
         w = self.w
         remember_url(w.settings, url)
         if w.api.state != OFF:
             w.api.stop()  # it fronted our own engine, which we are leaving
         w.source.connect, w.source.api_key = url, api_key
+        w.source.kv_events = kv_events
         w.update_menu()
         w.restart_engine()
 
     def use_local_engine(self) -> None:
         w = self.w
         w.source.connect, w.source.api_key = self.local_connect, None
+        w.source.kv_events = None
         w.update_menu()
         w.restart_engine()
 
@@ -78,6 +83,7 @@ class RemoteWatch(QObject):
         w = self.w
         w.remote_info = None
         self.metrics_problem = ""
+        w.kv_events.stop()
         self.disagg.leave()
         self.show_notes()
         w.kv_stack.setCurrentWidget(w.kv_tabs)
@@ -109,6 +115,7 @@ class RemoteWatch(QObject):
         link.recovered.connect(w.lifecycle.on_recovered)
         w.link = link
         link.start()
+        w.kv_events.start()
 
     def _on_connected(self, info: ServerInfo) -> None:
         w = self.w
@@ -142,6 +149,7 @@ class RemoteWatch(QObject):
             w.welcome = None
             w.kv_aggregate.set_server(info.kind)
             self.show_server(info)
+        w.kv_events.on_connected(info)
         self.show_notes()
         self.set_controls_remote(info.url)
         w.load_panel.setEnabled(True)

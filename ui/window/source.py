@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.remote.kv_events_source import KvEventsSource
 from app.remote.probe import is_http_url
 from app.supervisor import EngineOptions
 
@@ -20,6 +21,8 @@ class EngineSource:
     command: list[str] | None = None
     token: str | None = None
     api_key: str | None = None  # for an http(s):// server (never stored)
+    # the server's KV event publisher (vLLM's format), followed beside it (ui/window/kv_events.py)
+    kv_events: KvEventsSource | None = None
     # more keyword arguments for ui.remote.link.RemoteLink (tests: a scripted clock, intervals)
     link_options: dict = field(default_factory=dict)
     stall_timeout: float = 30.0  # one CPU step under load can take seconds

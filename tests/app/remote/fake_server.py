@@ -1,7 +1,8 @@
 """A small scripted HTTP server standing in for vLLM, SGLang or llama.cpp's server in tests:
-/v1/models, /metrics from fixture texts (in order, the last one repeated), and a scripted
-OpenAI chat stream. It records what clients did (chat bodies, streams in flight, streams the
-client closed early) and can be stopped and started again on the same port (a restart).
+/v1/models, /metrics from fixture texts (in order, the last one repeated), a scripted OpenAI
+chat stream, and /detokenize when given a function for it. It records what clients did (chat
+bodies, streams in flight, streams the client closed early) and can be stopped and started
+again on the same port (a restart).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +51,9 @@ class FakeServer:
         self.api_key = api_key
         self.model = model
         self.chat = chat or ChatScript()
+        # POST /detokenize {"tokens": [...]} -> {"prompt": detokenize(tokens)}; None: 404
+        self.detokenize: Callable[[list[int]], str] | None = None
+        self.detokenize_bodies: list[dict] = []
         self.lock = threading.Lock()
         self.metrics_requests = 0
         self.metrics_in_flight = 0  # scrapes being answered right now
@@ -158,6 +163,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         f = self.fake
+        if self.path == "/detokenize" and f.detokenize is not None:
+            self._detokenize()
+            return
         if self.path != "/v1/chat/completions":
             self._send(404, b'{"detail": "Not Found"}')
             return
@@ -189,6 +197,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             with f.lock:
                 f.streams_open -= 1
         self.close_connection = True
+
+    def _detokenize(self) -> None:
+        f = self.fake
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        with f.lock:
+            f.detokenize_bodies.append(body)
+        assert f.detokenize is not None
+        self._send(200, json.dumps({"prompt": f.detokenize(body["tokens"])}).encode())
 
     def _event(self, obj: dict | str) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj)
