@@ -188,6 +188,24 @@ def test_evictions_are_block_removed_and_the_tiers_are_cpu_and_disk(rig):
     assert {e["medium"] for e in events if e["type"] == "BlockStored"} == media
 
 
+def test_the_windows_vllm_path_draws_the_native_tree(rig):
+    """The round trip: KVScope's engine in vLLM's format, read back through the window's own
+    vLLM-format path (ipc.vllm_events decode + FleetTree, what the prefix-tree tab draws for a
+    vLLM server), gives the tree its native stream gives."""
+    from ipc.vllm_events.decode import decode_payload
+    from ipc.vllm_events.fleet_tree import FleetTree
+
+    rig.chat(QUESTIONS[:4], max_tokens=8)
+    rig.settle()
+    tree = FleetTree()
+    for _, seq, payload in rig.history():
+        tree.apply("kvscope", decode_payload(payload, seq))
+    drawn = {h: (n.parent_hash, n.token_ids, n.media) for h, n in tree.nodes.items()}
+    assert drawn == native_as_vllm(rig.native)
+    assert len(drawn) > 8 and {"GPU", "CPU", "DISK"} <= set().union(*(m for *_, m in
+                                                                       drawn.values()))
+
+
 def test_reset_prefix_cache_is_all_blocks_cleared(rig):
     assert rig.client.reset_prefix_cache()
     rig.settle()
