@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         "joining or lost on the way are asked for again",
     )
     ap.add_argument(
+        "--fleet",
+        metavar="URL=EVENTS[+REPLAY],...",
+        help="watch several servers at once in the fleet panel instead of one engine: per "
+        "replica its http://HOST:PORT and optionally its KV event publisher (and replay "
+        "endpoint), e.g. http://A:8000=tcp://A:5557+tcp://A:5558,http://B:8000=tcp://B:5557",
+    )
+    ap.add_argument(
         "--kv-events-topic", default="", help="subscribe to this topic prefix only (default: all)"
     )
     ap.add_argument("--token", default=None, help="engine access token (or $KVSCOPE_TOKEN)")
@@ -175,9 +182,23 @@ def kv_events_arg(args: argparse.Namespace):
     return source
 
 
+def fleet_arg(args: argparse.Namespace):
+    """The --fleet replicas (None without it); ValueError naming the flag that is wrong."""
+    from app.remote.fleet import parse_fleet
+
+    if args.fleet is None:
+        return None
+    for flag in ("connect", "kv_events", "kv_events_replay"):
+        if getattr(args, flag):
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"--fleet names every server and its events; not with {name}")
+    return parse_fleet(args.fleet)
+
+
 def run_gui(args: argparse.Namespace) -> int:
     try:
         kv_events = kv_events_arg(args)
+        fleet = fleet_arg(args)
     except ValueError as exc:
         print(f"kvscope: {exc}", file=sys.stderr)
         return 2
@@ -201,6 +222,8 @@ def run_gui(args: argparse.Namespace) -> int:
     app.setOrganizationName(ORG)
     app.setApplicationName(APP)
     theme.apply_dark_theme(app)
+    if fleet is not None:
+        return _run_fleet(app, fleet, args.api_key or os.environ.get("KVSCOPE_API_KEY"))
     ddir = data_dir(args.data_dir)
     settings = open_settings(args.data_dir)
     store = ConversationStore(ddir / "conversations")
@@ -238,6 +261,18 @@ def run_gui(args: argparse.Namespace) -> int:
         return _measure(app, win, args)
     if args.load:
         _when_ready(win, lambda: _start_load(win, args.load, args.load_max_tokens))
+    return app.exec()
+
+
+def _run_fleet(app, replicas, api_key: str | None) -> int:
+    """The fleet panel alone: no engine of our own to spawn."""
+    from ui.fleet.panel import FleetPanel
+
+    panel = FleetPanel(replicas, api_key=api_key)
+    panel.resize(1200, 800)
+    panel.show()
+    panel.start()
+    app.aboutToQuit.connect(panel.stop)
     return app.exec()
 
 

@@ -66,6 +66,8 @@ class FleetTree:
         self.nodes: dict[BlockHash, FleetNode] = {}
         self.version = 0  # +1 per apply or clear that changed something
         self._refs: dict[SourceId, Refs] = {}
+        # source -> the block size of its latest BlockStored: a router's score is blocks x this
+        self.block_sizes: dict[SourceId, int] = {}
         self._media: list[str] = []  # every medium seen, in order of appearance
         self._sets: dict[frozenset[str], frozenset[str]] = {}  # one object per distinct set
         # (parent hash, a block's tokens) -> the hashes stored there: longest_prefix's steps
@@ -78,6 +80,7 @@ class FleetTree:
         changed = False
         for event in batch.events:
             if isinstance(event, Stored):
+                self.block_sizes[source] = event.block_size
                 changed = self._stored(refs, event) or changed
             elif isinstance(event, Removed):
                 changed = self._removed(refs, event) or changed

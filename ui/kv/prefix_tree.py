@@ -74,6 +74,7 @@ class PrefixTreePanel(QWidget):
         self.legend.setStyleSheet(f"color: {theme.MUTED}; padding: 2px 6px;")
         # a remote tree's hover (layout, block index -> text); None: the engine's own
         self.describer: Callable[[TreeLayout, int], str] | None = None
+        self.remote_bars = REMOTE_BARS  # a remote tree's colour names (the fleet's: holders)
         self._set_legend(tiers=False)
         top = QHBoxLayout()
         top.addWidget(self.note, 1)
@@ -99,9 +100,12 @@ class PrefixTreePanel(QWidget):
 
     # ------------------------------------------------------------------ inputs
 
-    def use_remote(self, describer: Callable[[TreeLayout, int], str], waiting: str) -> None:
-        """Draw a remote server's tree (its KV events in vLLM's format) from now on."""
+    def use_remote(self, describer: Callable[[TreeLayout, int], str], waiting: str,
+                   legend: dict[int, str] | None = None) -> None:  # fmt: skip
+        """Draw a remote server's tree (its KV events in vLLM's format) from now on; `legend`
+        renames the three colours (bar kind -> text) when they mean something else."""
         self.describer = describer
+        self.remote_bars = legend or REMOTE_BARS
         self.clear(waiting)
 
     def use_engine(self) -> None:
@@ -135,7 +139,7 @@ class PrefixTreePanel(QWidget):
         if self.describer is not None:
             kinds = (CACHED_BAR, HOST_BAR, DISK_BAR) if tiers else (CACHED_BAR,)
             self.legend.setText(" ".join(
-                f'<span style="color:{BARS[k][1]}">■</span> {REMOTE_BARS[k]}' for k in kinds))
+                f'<span style="color:{BARS[k][1]}">■</span> {self.remote_bars[k]}' for k in kinds))
             return
         shown = BARS if tiers else BARS[:HOST_BAR]
         self.legend.setText(

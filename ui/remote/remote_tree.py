@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 
@@ -40,9 +41,12 @@ class RemoteTreeFeed(QObject):
     _laid_out = Signal(object, int, float)  # from the layout thread: layout, version, seconds
 
     def __init__(self, link: KvEventsLink, *, budget_s: float = 0.008,
-                 layout_every: float = 0.5, parent: QObject | None = None) -> None:  # fmt: skip
+                 layout_every: float = 0.5, parent: QObject | None = None,
+                 layout_fn: Callable[[FleetSnapshot], TreeLayout] = layout_fleet,
+                 ) -> None:  # fmt: skip
         super().__init__(parent)
         self.link = link
+        self.layout_fn = layout_fn  # the fleet panel's marks each block by its replicas
         self.tree = FleetTree()
         self.budget_s = budget_s
         self.layout_every = layout_every
@@ -100,7 +104,7 @@ class RemoteTreeFeed(QObject):
     def _lay_out(self, snapshot: FleetSnapshot) -> None:
         t0 = time.perf_counter()
         try:
-            layout = layout_fleet(snapshot)
+            layout = self.layout_fn(snapshot)
         except Exception:  # a bug must not leave the feed busy forever
             log.exception("laying out the remote prefix tree failed")
             layout = None

@@ -59,6 +59,7 @@ from ui.chat.chat_menu import ChatMenu
 from ui.chat.panel import ChatPanel
 from ui.chat.token_counter import TokenCounter
 from ui.engine.link import EngineLink
+from ui.fleet.opener import FleetOpener
 from ui.kv.block_map import BlockMapWidget
 from ui.kv.prefix_tree import PrefixTreePanel
 from ui.kv.tier_panel import TierPanel
@@ -118,6 +119,7 @@ class MainWindow(QMainWindow):
         self.model_menu = ModelMenu(self)
         self.remote = RemoteWatch(self)
         self.kv_events = KvEventsWatch(self)  # a server's KV events (vLLM's format), when named
+        self.fleet = FleetOpener(self)  # fleet panels (ui/fleet/), windows of their own
         self._chat_aliases = self.remote.aliases  # chat request id -> its HTTP response id
         self.api_toggle = ApiToggle(self)
         self.feed = TelemetryFeed(self, refresh_hz)
@@ -253,6 +255,11 @@ class MainWindow(QMainWindow):
         connect.setToolTip("watch a vLLM, SGLang, llama.cpp or KVScope server over HTTP")
         connect.triggered.connect(self.open_connect_dialog)
         menu.addAction(connect)
+        fleet = self.fleet_action = QAction("Connect to a &fleet…", self)
+        fleet.setToolTip("watch several vLLM, SGLang or KVScope servers at once: their figures, "
+                         "one prefix tree, where a KV-aware router would send a prompt")
+        fleet.triggered.connect(self.fleet.open_dialog)
+        menu.addAction(fleet)
         local = self.local_action = QAction("Back to the &local engine", self)
         local.setToolTip("stop watching the server and use this window's own engine again")
         local.triggered.connect(self.use_local_engine)
@@ -461,6 +468,7 @@ class MainWindow(QMainWindow):
             self.link.stop(timeout=2.0)
             self.link = None
         self.kv_events.stop()
+        self.fleet.shutdown()
         self.api.shutdown()
         if self.supervisor is not None:
             self.supervisor.stop(timeout=5.0)

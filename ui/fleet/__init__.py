@@ -1,0 +1,1 @@
+"""The fleet panel: several vLLM / SGLang / KVScope servers watched at once."""
