@@ -1,8 +1,8 @@
 """A small scripted HTTP server standing in for vLLM, SGLang or llama.cpp's server in tests:
 /v1/models, /metrics from fixture texts (in order, the last one repeated), a scripted OpenAI
-chat stream, and /detokenize when given a function for it. It records what clients did (chat
-bodies, streams in flight, streams the client closed early) and can be stopped and started
-again on the same port (a restart).
+chat stream, and /detokenize and /tokenize when given functions for them. It records what
+clients did (chat bodies, streams in flight, streams the client closed early) and can be stopped
+and started again on the same port (a restart).
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class FakeServer:
         # POST /detokenize {"tokens": [...]} -> {"prompt": detokenize(tokens)}; None: 404
         self.detokenize: Callable[[list[int]], str] | None = None
         self.detokenize_bodies: list[dict] = []
+        # POST /tokenize {"prompt": text} -> vLLM's {"count", "max_model_len", "tokens",
+        # "token_strs"} with tokenize(text); None: 404
+        self.tokenize: Callable[[str], list[int]] | None = None
+        self.tokenize_bodies: list[dict] = []
         self.lock = threading.Lock()
         self.metrics_requests = 0
         self.metrics_in_flight = 0  # scrapes being answered right now
@@ -166,6 +170,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/detokenize" and f.detokenize is not None:
             self._detokenize()
             return
+        if self.path == "/tokenize" and f.tokenize is not None:
+            self._tokenize()
+            return
         if self.path != "/v1/chat/completions":
             self._send(404, b'{"detail": "Not Found"}')
             return
@@ -205,6 +212,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             f.detokenize_bodies.append(body)
         assert f.detokenize is not None
         self._send(200, json.dumps({"prompt": f.detokenize(body["tokens"])}).encode())
+
+    def _tokenize(self) -> None:
+        f = self.fake
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        with f.lock:
+            f.tokenize_bodies.append(body)
+        assert f.tokenize is not None
+        tokens = f.tokenize(body["prompt"])
+        self._send(200, json.dumps({"count": len(tokens), "max_model_len": 4096,
+                                    "tokens": tokens, "token_strs": None}).encode())
 
     def _event(self, obj: dict | str) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj)
