@@ -126,6 +126,9 @@ def test_three_kvscope_servers(tiny_dir, qapp):
         assert panel.scores[b].tokens == want_b
         assert all(s.tokens < want_b for i, s in enumerate(panel.scores) if i != b)
         assert panel.chosen == b
+        # the blocks column: what B's events hold, as the vLLM-only subscriber counts them
+        panel.refresh()
+        assert panel.table.text(b, 6) == f"{len(tree.nodes):,}"
         # the figures: the table's gauges equal each server's /metrics, read here
         for i, (proc, _) in enumerate(procs):
             assert wait_until(lambda i=i, proc=proc: tuple(

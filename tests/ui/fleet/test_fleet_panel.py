@@ -4,7 +4,8 @@ each row's figures are what that server's own /metrics fixtures give; the one tr
 block by the replicas holding it, as the fixtures' brute-force recount says; a prompt's routing
 score per replica is the longest prefix of it that replica's own stored chains hold, walked here
 from the fixture; the router's pick is the highest. Bad --fleet values and dialog rows are
-refused naming the flag or the row."""
+refused naming the flag or the row; *Engine → Connect to a fleet…* opens a panel that closes
+with the window."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ import pytest
 from PySide6.QtWidgets import QApplication
 
 from app.__main__ import fleet_arg
+from app.conversations import ConversationStore
 from app.remote.fleet import FLEET_FORM, Replica, parse_fleet
 from app.remote.kv_events_source import KvEventsSource
+from app.settings import open_settings
 from tests.app.remote.fake_server import FakeServer, fixture_texts
 from tests.ui.remote.fake_kv_publishers import MEDIA, FakeCache, FakePublisher, expected_fleet
 from ui.fleet.dialog import FleetDialog
 from ui.fleet.panel import FleetPanel
 from ui.fleet.table import GEN, HITS, KV, RUNNING, WAITING
-from ui.window.main_window import wait_until
+from ui.window.main_window import EngineSource, MainWindow, wait_until
 
 # per fixture, the figures its two scrapes (2 s apart) give, as tests/ui/remote/
 # test_remote_window.py reads them off the single-server view: KV, hits, running, waiting, gen
@@ -145,8 +148,13 @@ def test_rows_tree_and_routing_match_the_fixtures(rig):
     for i, fixture in enumerate(FIGURES):
         cells = tuple(table.text(i, c) for c in (KV, HITS, RUNNING, WAITING, GEN))
         assert cells == FIGURES[fixture], fixture
-    # blocks shared by several replicas are marked with each of them
+    # blocks shared by several replicas are marked with each of them, and the hover names them
     assert any(len(m) > 1 for _, _, m in marks(r.panel).values())
+    lay = r.panel.tree_panel.layout_
+    shared = next(i for i in range(lay.num_blocks) if len(lay.media[i]) > 1)
+    hover = r.panel.tree_panel.describe(shared)
+    assert f"held by {len(lay.media[shared])} replica(s): " in hover
+    assert all(label in hover for label in lay.media[shared])
     r.panel.refresh()
     held = r.panel.feed.tree.sources()
     for i, (rep, pub) in enumerate(zip(r.replicas, r.pubs, strict=True)):
@@ -204,3 +212,30 @@ def test_fleet_flag_and_dialog_refuse_bad_input_naming_where(qapp):
     d.rows.item(0, 1).setText("tcp://y:5557")
     assert [x.url for x in d.replicas()] == ["http://y:1", "http://x:1"]
     d.close()
+
+
+def test_the_engine_menu_opens_a_fleet_panel_closed_with_the_window(qapp, tmp_path):
+    with FakeServer("vllm", fixture_texts("vllm_v1")) as watched, \
+            FakeServer("sglang", fixture_texts("sglang")) as replica:
+        link = {"scrape_interval": 0.1, "retry_interval": 0.2, "connect_timeout": 5.0}
+        win = MainWindow(open_settings(tmp_path), ConversationStore(tmp_path / "conversations"),
+                         EngineSource(connect=watched.url, link_options=link), data_dir=tmp_path)
+        win.show()
+        win.start_engine()
+        app = QApplication.instance()
+        try:
+            assert wait_until(lambda: win.state in ("ready", "busy"), 30, app)
+            win.fleet_action.trigger()
+            dialog = win.fleet.dialog
+            assert dialog is not None and dialog.isVisible()
+            dialog.rows.item(0, 0).setText(replica.url)
+            dialog.accept()
+            assert len(win.fleet.panels) == 1
+            panel = win.fleet.panels[0]
+            assert panel.replicas == [Replica(replica.url)]
+            assert wait_until(lambda: panel.table.text(0, RUNNING) == "8", 20, app)
+            assert panel.table.text(0, 6) == "no events"
+        finally:
+            win.shutdown()
+            win.close()
+        assert not win.fleet.panels and not panel.isVisible()
