@@ -1,6 +1,6 @@
 """The fleet panel over three real `kvscope serve` processes (tiny model) publishing KV events
 in vLLM's format (`--kv-events-config`), each sent its own prompt: the rows' gauges equal each
-server's own /metrics, the rates are those of its counters (none move once the traffic stops),
+server's own /metrics, the prefix hit rate is that of its own counters over the traffic sent,
 and a prompt continuing what replica B served scores highest on B, with the prefix B's events
 hold as rebuilt here by a subscriber written from vLLM's source alone
 (tests/engine_proc/server/vllm_subscriber.py)."""
@@ -20,7 +20,7 @@ from app.remote.kv_events_source import KvEventsSource
 from tests.app.api.helpers import ServeProc
 from tests.engine_proc.server import vllm_subscriber as S
 from ui.fleet.panel import FleetPanel
-from ui.fleet.table import GEN, KV, RUNNING, WAITING
+from ui.fleet.table import GEN, HITS, KV, RUNNING, WAITING
 from ui.window.main_window import wait_until
 
 pytestmark = pytest.mark.slow
@@ -53,17 +53,28 @@ def _serve(tiny_dir) -> tuple[ServeProc, KvEventsSource]:
     return proc, KvEventsSource(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
 
 
-def gauges(url: str) -> tuple[str, str, str]:
-    """KV usage, running, waiting as the table writes them, read off /metrics here."""
+def scrape(url: str) -> dict[str, float]:
+    """The /metrics samples (unlabelled names, or the first labelled one), read here."""
     text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^kvscope:(\w+)(?:{[^}]*})? (\S+)$", text, re.M):
+        out.setdefault(m.group(1), float(m.group(2)))
+    return out
 
-    def value(name: str) -> float:
-        m = re.search(rf"^kvscope:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-        assert m, name
-        return float(m.group(1))
 
-    return (f"{100 * value('kv_cache_usage_perc'):.1f}%",
-            f"{value('num_requests_running'):,.0f}", f"{value('num_requests_waiting'):,.0f}")
+def gauges(url: str) -> tuple[str, str, str]:
+    """KV usage, running, waiting as the table writes them."""
+    v = scrape(url)
+    return (f"{100 * v['kv_cache_usage_perc']:.1f}%", f"{v['num_requests_running']:,.0f}",
+            f"{v['num_requests_waiting']:,.0f}")
+
+
+def hit_rate(before: dict[str, float], url: str) -> str:
+    """Prefix-cache hits over queries since `before`, as the table writes it."""
+    after = scrape(url)
+    dq = after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]
+    dh = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    return f"{100 * dh / dq:.1f}%"
 
 
 def events_tree(src: KvEventsSource) -> S.Tree:
@@ -99,10 +110,15 @@ def test_three_kvscope_servers(tiny_dir, qapp):
         for proc, _ in procs:
             proc.wait_healthy()
         replicas = [Replica(p.url, src) for p, src in procs]
-        panel = FleetPanel(replicas, scraper_options={"interval": 0.2})
+        app = QApplication.instance()
+        # /metrics is empty until the engine's first telemetry: wait for the counters
+        assert wait_until(lambda: all("prefix_cache_queries_total" in scrape(p.url)
+                                      for p, _ in procs), 60, app)  # fmt: skip
+        before = [scrape(p.url) for p, _ in procs]  # = the panel's first scrapes: no traffic yet
+        # a window over the whole test: its rates span all the traffic sent here
+        panel = FleetPanel(replicas, scraper_options={"interval": 0.2, "window_s": 3600.0})
         panel.show()
         panel.start()
-        app = QApplication.instance()
         for (proc, _), prompt in zip(procs, PROMPTS, strict=True):
             r = httpx.post(proc.url + "/v1/completions", timeout=120,
                            json={"prompt": prompt, "max_tokens": 2})  # fmt: skip
@@ -134,9 +150,15 @@ def test_three_kvscope_servers(tiny_dir, qapp):
             assert wait_until(lambda i=i, proc=proc: tuple(
                 panel.table.text(i, c) for c in (KV, RUNNING, WAITING)) == gauges(proc.url),
                 20, app), (i, gauges(proc.url))
-        # no counter moves once the traffic stopped: over a full window the rate is 0
-        assert wait_until(lambda: all(panel.table.text(i, GEN) == "0.0"
-                                      for i in range(3)), 40, app)
+        # B is sent the routed prompt: its cached prefix is a hit in B's own counters
+        r = httpx.post(bproc.url + "/v1/completions", timeout=120,
+                       json={"prompt": PROMPTS[b] + MORE, "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 200, r.text
+        for i, (proc, _) in enumerate(procs):
+            assert wait_until(lambda i=i, proc=proc: panel.table.text(i, HITS) == hit_rate(
+                before[i], proc.url), 20, app), (i, hit_rate(before[i], proc.url))
+            assert float(panel.table.text(i, GEN)) > 0  # each generated tokens in the window
+        assert panel.table.text(b, HITS) != "0.0%"
     finally:
         if panel is not None:
             panel.stop()
