@@ -202,6 +202,7 @@ class FleetPanel(QWidget):
 
     def _on_layout(self, layout: TreeLayout) -> None:
         self.tree_panel.set_layout(layout, note=self.note(layout))
+        self.tree_panel.redraw()  # the main window's feed redraws its panels; here, we do
 
     def note(self, lay: TreeLayout) -> str:
         parts = [f"{lay.num_blocks:,} blocks across the fleet · {lay.num_rows:,} branches"]

@@ -151,6 +151,9 @@ def test_rows_tree_and_routing_match_the_fixtures(rig):
     # blocks shared by several replicas are marked with each of them, and the hover names them
     assert any(len(m) > 1 for _, _, m in marks(r.panel).values())
     lay = r.panel.tree_panel.layout_
+    assert wait_until(lambda: r.panel.tree_panel.kind.size == r.panel.tree_panel.layout_.num_blocks,
+                      5, QApplication.instance())  # drawn, not only laid out
+    lay = r.panel.tree_panel.layout_
     shared = next(i for i in range(lay.num_blocks) if len(lay.media[i]) > 1)
     hover = r.panel.tree_panel.describe(shared)
     assert f"held by {len(lay.media[shared])} replica(s): " in hover
