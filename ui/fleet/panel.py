@@ -93,6 +93,7 @@ class FleetPanel(QWidget):
         split = QSplitter(Qt.Orientation.Vertical)
         split.addWidget(top)
         split.addWidget(self.tree_panel)
+        split.setStretchFactor(1, 3)  # the tree gets the room; the table needs a few rows
         lay = QVBoxLayout(self)
         lay.addWidget(split)
         waiting = ("waiting for KV events" if self.link is not None

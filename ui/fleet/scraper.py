@@ -82,7 +82,17 @@ class FleetScraper(QObject):
             log.exception("the fleet's HTTP worker failed")
         finally:
             self._stopped.set()
+            self._finish_tokenizing()
             self._loop.close()
+
+    def _finish_tokenizing(self) -> None:
+        """Cancel tokenize requests still out and let them end before the loop closes."""
+        assert self._loop is not None
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
     def _cancel(self) -> None:
         if self._main is not None:
