@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos"
+
 
 def num_accepted(drafts: list[int], sampled: list[int]) -> int:
     """How many leading drafts the target's tokens at the same positions confirm."""
@@ -43,3 +45,14 @@ class SpecDecodeStats:
         per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
         for i in range(accepted):
             per_pos[i] += 1
+
+    def counters(self) -> dict[str, float]:
+        """For the telemetry snapshot: the per-position counts as `..._per_pos:<i>` keys."""
+        out: dict[str, float] = {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+        }
+        for i, n in enumerate(self.num_accepted_tokens_per_pos):
+            out[f"{PER_POS_KEY}:{i}"] = n
+        return out

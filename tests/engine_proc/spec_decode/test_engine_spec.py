@@ -152,6 +152,11 @@ def test_same_tokens_as_without_speculation(engines, kw) -> None:
     drafted2, accepted2 = spec_counts(spec)
     assert accepted2 > accepted, "no draft was ever accepted"
     assert drafted2 - drafted > accepted2 - accepted, "no draft was ever rejected"
+    c = spec.snapshot().counters
+    assert c["spec_decode_num_accepted_tokens"] == accepted2
+    assert sum(v for k, v in c.items() if k.startswith("spec_decode_num_accepted_tokens_per_pos:")
+               ) == accepted2  # fmt: skip
+    assert "spec_decode_num_drafts" not in base.snapshot().counters
 
 
 def test_stops_inside_an_accepted_run(engines) -> None:
