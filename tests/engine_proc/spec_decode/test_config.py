@@ -42,3 +42,22 @@ def test_per_request_opt_out_is_a_bool() -> None:
     assert SamplingParams().speculative is True
     with pytest.raises(ValueError, match="speculative must be"):
         SamplingParams(speculative=1)  # type: ignore[arg-type]
+
+
+def test_serve_flag_reaches_the_engine() -> None:
+    import argparse
+
+    from engine_proc.server.cli import add_arguments, build_engine
+    from tests.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir(
+        "llama", num_heads=4, num_kv_heads=2, num_layers=2, max_position_embeddings=1024
+    )
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flag = '{"method": "ngram", "num_speculative_tokens": 3}'
+    engine = build_engine(parser.parse_args(["--model", str(path), "--speculative-config", flag]))
+    assert engine.config.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    assert engine.scheduler.propose is not None
+    plain = build_engine(parser.parse_args(["--model", str(path)]))
+    assert plain.config.speculative_config is None and plain.scheduler.propose is None
