@@ -219,3 +219,28 @@ def test_speculation_off_for_structured_output(engines) -> None:
                                                    field="response_format"))  # fmt: skip
     spec.generate([PROMPTS[0]], p)
     assert spec.stats.spec_decode.num_drafts == before
+
+
+def test_greedy_matches_transformers(engines, tiny_path) -> None:
+    """Against an independent reference: transformers' greedy generate() of the same model,
+    with the same bias on the alphabet (its sequence_bias)."""
+    import torch
+
+    from tests.tiny_models import hf_reference_model
+
+    _, spec = engines
+    model = hf_reference_model(tiny_path)
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10] * 5 + [7, 8]]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             logit_bias=ALPHABET)] * len(prompts)  # fmt: skip
+    drafted, accepted = spec_counts(spec)
+    got = run(spec, prompts, params)
+    for prompt, g in zip(prompts, got, strict=True):
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=2,
+            sequence_bias={(t,): b for t, b in ALPHABET.items()},
+        )  # fmt: skip
+        assert g.token_ids == out[0, len(prompt) :].tolist()
+    drafted2, accepted2 = spec_counts(spec)
+    assert accepted2 > accepted and drafted2 - drafted > accepted2 - accepted
