@@ -113,7 +113,8 @@ class Scheduler:
                 continue
             self.kv.trim(seq)  # a hybrid cache's sliding groups: blocks out of the window
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
-            seq.spec_token_ids = self._drafts(seq, budget) if n == 1 else []
+            later = len(self.running) - i - 1  # sequences still to schedule this step
+            seq.spec_token_ids = self._drafts(seq, budget, later) if n == 1 else []
             n += len(seq.spec_token_ids)
             while not self.kv.can_allocate(seq, n, []):
                 victim = self.running.pop()
@@ -126,10 +127,12 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+    def _drafts(self, seq: Sequence, budget: int, later: int) -> list[int]:
         """Drafts for a decoding sequence, as many as its token budget, max_tokens and context
         limit leave room for (the step emits up to one more token than it verifies), and only
-        where their blocks are free: drafts never preempt anyone."""
+        where their blocks are free with a block to spare for each of the `later` sequences
+        still to schedule: drafts do not preempt (a later prompt chunk needing several blocks
+        still can, as another sequence's decode could)."""
         if self.propose is None or seq.num_tokens - seq.num_computed_tokens != 1:
             return []
         if seq.num_forks > 1:  # forks when its first token is sampled: no drafts before
@@ -143,7 +146,8 @@ class Scheduler:
             return []
         drafts = self.propose(seq, k)
         assert len(drafts) <= k, (len(drafts), k)
-        if drafts and not self.kv.can_allocate(seq, 1 + len(drafts), []):
+        need = self.kv.blocks_needed(seq, 1 + len(drafts), []) if drafts else 0
+        if need + later > self.kv.pool.num_free:
             return []
         return drafts
 

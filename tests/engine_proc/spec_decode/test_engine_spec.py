@@ -217,8 +217,8 @@ def test_speculation_off_for_structured_output(engines) -> None:
     p = SamplingParams(max_tokens=12, temperature=0,
                        structured=StructuredOutput(kind="regex", spec="(ab)+",
                                                    field="response_format"))  # fmt: skip
-    spec.generate([PROMPTS[0]], p)
-    assert spec.stats.spec_decode.num_drafts == before
+    (out,) = run(spec, [PROMPTS[0]], [p])
+    assert out.token_ids and spec.stats.spec_decode.num_drafts == before
 
 
 def test_greedy_matches_transformers(engines, tiny_path) -> None:
