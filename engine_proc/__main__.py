@@ -27,6 +27,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')  # fmt: skip
     add_kernel_arguments(p)
     p.add_argument("--log-level", default="WARNING")
 
@@ -48,6 +50,7 @@ def run_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             num_threads=args.threads,
+            speculative_config=args.speculative_config,
             **kernel_options(args),
         ),
         progress=_print_progress,
@@ -74,6 +77,11 @@ def run_generate(args: argparse.Namespace) -> int:
         f"[prompt {final.num_prompt_tokens} tokens | TTFT {m.ttft * 1000:.1f} ms | "
         f"{n} tokens, decode {decode_tps:.1f} tok/s | finish: {final.finish_reason}]"
     )
+    spec = engine.stats.spec_decode
+    if spec.num_drafts:
+        print(f"[speculative: {spec.num_accepted_tokens}/{spec.num_draft_tokens} drafts accepted "
+              f"({spec.num_accepted_tokens / spec.num_draft_tokens:.0%}) over {spec.num_drafts} "
+              f"steps; accepted by position {spec.num_accepted_tokens_per_pos}]")  # fmt: skip
     return 0
 
 

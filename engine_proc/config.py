@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -12,6 +13,58 @@ SUPPORTED_DECODE_STEPS = ("eager", "fused", "auto")
 SUPPORTED_KV_TIER_POLICIES = ("write_back", "write_through")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")
 DEFAULT_KV_DISK_BYTES = 4 * 1024**3
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's JSON shape. "ngram" (prompt lookup): the drafts are the
+    tokens that followed the latest earlier occurrence of the sequence's last n tokens
+    (engine_proc/spec_decode/ngram.py), n from prompt_lookup_max down to prompt_lookup_min."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}")  # fmt: skip
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+                raise ValueError(f"speculative_config: {name} must be an integer in [1, 64], "
+                                 f"got {value!r}")  # fmt: skip
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+
+def parse_speculative_config(value: object) -> SpeculativeConfig | None:
+    """None, a SpeculativeConfig, or vLLM's dict / JSON text of one."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    if "model" in value:
+        raise ValueError("speculative_config: draft models ('model') are not built yet; use "
+                         "{\"method\": \"ngram\", ...} (prompt lookup)")  # fmt: skip
+    unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; allowed keys are "
+                         f"{_SPECULATIVE_KEYS}")  # fmt: skip
+    if "method" not in value:
+        raise ValueError(f"speculative_config: method is required, one of {SPECULATIVE_METHODS}")
+    return SpeculativeConfig(**value)
 
 
 @dataclass(slots=True)
@@ -60,8 +113,11 @@ class EngineConfig:
     # they are computed (a restart then finds every prefix on disk).
     kv_tier_policy: str = "write_back"
     num_threads: int | None = None  # torch intra-op threads on CPU
+    # Speculative decoding (SpeculativeConfig, or vLLM's dict / JSON text of one); None = off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in SUPPORTED_BACKENDS:

@@ -37,6 +37,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None = off; k: the chosen token's logprob and the top k
     structured: StructuredOutput | None = None  # the grammar the output follows
+    # False: never speculate for this request, even when the engine has a speculative_config
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +81,8 @@ class SamplingParams:
             )
         if self.structured is not None:
             _check_structured(self.structured)
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
 
     @property
     def greedy(self) -> bool:

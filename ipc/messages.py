@@ -70,6 +70,7 @@ class SamplingOptions(msgspec.Struct, **_STRICT):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> [-100, 100]
     logprobs: int | None = None  # None = off; k >= 0: the chosen token's logprob and the top k
     structured: StructuredOutput | None = None  # a grammar every output token must follow
+    speculative: bool = True  # false: no speculative decoding for this request
 
 
 SAMPLING_FIELDS = tuple(SamplingOptions.__struct_fields__)

@@ -44,6 +44,15 @@ _COUNTERS = {
         "external_prefix_cache_hits",
         "Prompt tokens loaded from the host/disk KV tiers instead of recomputed.",
     ),
+    "spec_decode_num_drafts": (
+        "spec_decode_num_drafts",
+        "Speculative steps of a sequence (each verifies its drafts).",
+    ),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens the target model accepted.",
+    ),
     "prompt_tokens_total": (
         "prompt_tokens_computed",
         "Prompt tokens run through the model (prefix-cache hits excluded; recomputation included).",
@@ -67,6 +76,25 @@ _HISTOGRAM_HELP = {
     "finished sequence.",
     "iteration_tokens_total": "Tokens computed per engine step.",
 }
+
+
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+
+
+def _accepted_per_pos(
+    c: dict[str, float], labels: list[str], values: list[str]
+) -> Iterator[Metric]:
+    """vLLM's per-position acceptance counter, from the engine's `..._per_pos:<i>` keys."""
+    keys = sorted((int(k.split(":")[1]), k) for k in c if k.startswith(_PER_POS + ":"))
+    if not keys:
+        return
+    counter = CounterMetricFamily(
+        PREFIX + _PER_POS, "Accepted draft tokens by their position among the drafts.",
+        labels=[*labels, "position"],
+    )  # fmt: skip
+    for position, key in keys:
+        counter.add_metric([*values, str(position)], c[key])
+    yield counter
 
 
 class TelemetryCollector:
@@ -101,6 +129,7 @@ class TelemetryCollector:
                 counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
                 counter.add_metric(values, c[key])
                 yield counter
+        yield from _accepted_per_pos(c, labels, values)
         success = CounterMetricFamily(
             PREFIX + "request_success", "Finished sequences by finish reason.",
             labels=[*labels, "finished_reason"],

@@ -260,10 +260,29 @@ class KVCacheManager:
                      first_needed_block(seq.num_computed_tokens, self.windows[g], self.block_size))
             while len(table) < self.num_blocks_for(end):
                 table.append(NO_BLOCK if len(table) < first else pool.allocate().block_id)
-        self._cache_full_blocks(
-            seq, seq.num_computed_tokens // self.block_size, end // self.block_size
-        )
+        # Only blocks full of known tokens: a speculative step's drafts (past num_tokens) are
+        # not in the hash chain until the target model confirms them (rollback below).
+        self._cache_full_blocks(seq, seq.num_computed_tokens // self.block_size,
+                                min(end, seq.num_tokens) // self.block_size)  # fmt: skip
         return copies
+
+    def rollback(self, seq: Sequence, num_known: int) -> None:
+        """After a speculative step of seq, which knew num_known tokens when it was scheduled:
+        keep the K/V of all but its newest token (the confirmed drafts' K/V is its own, the
+        rejected ones' is forgotten), free the blocks only rejected drafts filled, and index
+        the blocks the confirmed drafts filled."""
+        assert len(self.windows) == 1, "speculative decoding with KV groups"
+        keep = seq.num_tokens - 1
+        assert num_known <= keep + 1 and keep <= seq.num_computed_tokens, (num_known, keep)
+        num_blocks = self.num_blocks_for(keep)
+        for block_id in reversed(seq.block_table[num_blocks:]):
+            block = self.pool.blocks[block_id]
+            # never indexed (allocate hashes known tokens only) and never shared (fresh)
+            assert block.block_hash is None and block.ref_count == 1, block
+            self.pool.free(block)
+        del seq.block_table[num_blocks:]
+        seq.num_computed_tokens = keep
+        self._cache_full_blocks(seq, num_known // self.block_size, keep // self.block_size)
 
     def _group_table(self, seq: Sequence, group: int) -> list[int]:
         if group == 0:

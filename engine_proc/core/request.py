@@ -55,6 +55,9 @@ class Sequence:
     # is in its grammar; None for unconstrained sequences.
     grammar: object | None = None
     num_tools: int = 0  # tools its chat offered the model (telemetry marks agents' requests)
+    # Speculative decoding: the drafts scheduled this step after the last token (their K/V is
+    # computed with it, and kept only for those the target model confirms); [] otherwise.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def display_id(self) -> str:

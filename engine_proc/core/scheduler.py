@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_proc.config import check_limits
@@ -54,6 +55,9 @@ class Scheduler:
         self.longrope_original = longrope_original
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        # Speculative decoding: (sequence, at most k) -> drafts to verify after its last token;
+        # None = off. The engine's callable decides which sequences may speculate.
+        self.propose: Callable[[Sequence, int], list[int]] | None = None
 
     def set_limits(self, **changes: int | None) -> None:
         new = {k: v for k, v in changes.items() if v is not None}
@@ -109,6 +113,9 @@ class Scheduler:
                 continue
             self.kv.trim(seq)  # a hybrid cache's sliding groups: blocks out of the window
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            later = len(self.running) - i - 1  # sequences still to schedule this step
+            seq.spec_token_ids = self._drafts(seq, budget, later) if n == 1 else []
+            n += len(seq.spec_token_ids)
             while not self.kv.can_allocate(seq, n, []):
                 victim = self.running.pop()
                 self._preempt(victim, batch)
@@ -119,6 +126,30 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int, later: int) -> list[int]:
+        """Drafts for a decoding sequence, as many as its token budget, max_tokens and context
+        limit leave room for (the step emits up to one more token than it verifies), and only
+        where their blocks are free with a block to spare for each of the `later` sequences
+        still to schedule: drafts do not preempt (a later prompt chunk needing several blocks
+        still can, as another sequence's decode could)."""
+        if self.propose is None or seq.num_tokens - seq.num_computed_tokens != 1:
+            return []
+        if seq.num_forks > 1:  # forks when its first token is sampled: no drafts before
+            return []
+        k = min(
+            budget - 1,
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            seq.max_total_tokens - seq.num_tokens - 1,
+        )
+        if k <= 0:
+            return []
+        drafts = self.propose(seq, k)
+        assert len(drafts) <= k, (len(drafts), k)
+        need = self.kv.blocks_needed(seq, 1 + len(drafts), []) if drafts else 0
+        if need + later > self.kv.pool.num_free:
+            return []
+        return drafts
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0:
@@ -137,6 +168,7 @@ class Scheduler:
                 batch.prefix_cache_queries += seq.num_tokens
                 batch.prefix_cache_hits += num_cached
             seq.num_cached_tokens = num_cached
+            seq.spec_token_ids = []
             self.kv.count_external(seq, num_cached)
             copies = self.kv.allocate(seq, n, cached)
             seq.status = SequenceStatus.RUNNING
@@ -162,6 +194,7 @@ class Scheduler:
             raise AssertionError("preempting a sequence already scheduled this step")
         self.kv.free(seq)
         self._switch_rope(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)

@@ -153,6 +153,8 @@ class LiveControl(EngineParts):
         if self.kv.tiers is not None:
             snap.counters.update(self.kv.tiers.counters())
         snap.counters.update(self.transfer.counters())
+        if self.config.speculative_config is not None:
+            snap.counters.update(self.stats.spec_decode.counters())
         snap.histograms = self.histograms.by_name
         snap.finished_reasons = dict(self.histograms.finished_reasons)
         if self.model.expert_counts is not None:

@@ -15,6 +15,7 @@ from engine_proc.engine.parts import EngineParts
 from engine_proc.engine.telemetry_types import TokenEvent
 from engine_proc.executor.sampler import RawLogprobs, compute_logprobs, sample
 from engine_proc.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from engine_proc.spec_decode.verify import num_accepted
 
 
 class StepOutputs(EngineParts):
@@ -23,13 +24,22 @@ class StepOutputs(EngineParts):
     ) -> list[RequestOutput]:
         if not sampling:
             return []
+        # One logits row per sequence (repeated for the forks of an n > 1 request), or 1 + k
+        # for a speculative one: a row per position it verifies.
         rows: list[int] = []
-        seqs: list[Sequence] = []
-        for row, seq in enumerate(sampling):
+        seqs: list[Sequence] = []  # per sampled row
+        drafted: list[int] = []  # per sampled row: how many drafts precede it in its sequence
+        offset = 0
+        for seq in sampling:
+            k = len(seq.spec_token_ids)
             family = [seq] + (self._fork(seq) if seq.num_forks > 1 else [])
-            rows.extend([row] * len(family))
-            seqs.extend(family)
-        if len(rows) != len(sampling):
+            assert k == 0 or len(family) == 1, "drafts before a fork"
+            rows.extend([offset] * len(family) if k == 0 else range(offset, offset + 1 + k))
+            seqs.extend(family * (1 + k))
+            drafted.extend([0] * len(family) if k == 0 else range(1 + k))
+            offset += 1 + k
+        assert offset == logits.shape[0], (offset, logits.shape)
+        if rows != list(range(offset)):
             logits = logits[torch.tensor(rows, device=logits.device)]
         params = [s.params for s in seqs]
         grammars: list[Any] = [s.grammar for s in seqs]  # SeqGrammar or None
@@ -49,15 +59,41 @@ class StepOutputs(EngineParts):
             chosen_from,
             params,
             [s.seed for s in seqs],
-            [s.num_output_tokens for s in seqs],
-            [s.token_ids for s in seqs],
+            [s.num_output_tokens + j for s, j in zip(seqs, drafted, strict=True)],
+            [_history(s, j) for s, j in zip(seqs, drafted, strict=True)],
             [s.num_prompt_tokens for s in seqs],
         )
         logprobs = compute_logprobs(logits, [p.logprobs for p in params], tokens)
         now = self.clock()
         outputs = []
-        for seq, token, raw in zip(seqs, tokens, logprobs, strict=True):
+        i = 0
+        while i < len(seqs):
+            seq = seqs[i]
+            drafts = seq.spec_token_ids
+            sampled = tokens[i : i + 1 + len(drafts)]
+            accepted = num_accepted(drafts, sampled) if drafts else 0
+            emit = sampled[: accepted + 1]
+            if drafts:
+                self.stats.spec_decode.observe(len(drafts), accepted)
+            num_known = seq.num_tokens
+            out = self._emit(seq, emit, logprobs[i : i + len(emit)], now)
+            if drafts and not seq.is_finished:
+                self.kv.rollback(seq, num_known)
+            seq.spec_token_ids = []
+            outputs.append(out)
+            i += 1 + len(drafts)
+        return outputs
+
+    def _emit(
+        self, seq: Sequence, tokens: list[int], raws: list[RawLogprobs | None], now: float
+    ) -> RequestOutput:
+        """Append a step's tokens to seq in order, up to the first that finishes it (those
+        after are dropped); its output for the step."""
+        emitted: list[int] = []
+        reason = None
+        for token in tokens:
             seq.append_token(token, now)
+            emitted.append(token)
             grammar_done = False
             if seq.grammar is not None:
                 seq.grammar.accept(token)  # type: ignore[attr-defined]
@@ -70,18 +106,22 @@ class StepOutputs(EngineParts):
             # A complete grammar ends the output even where EOS alone would not (ignore_eos).
             reason = seq.check_stop(hit_stop) or ("stop" if grammar_done else None)
             if reason is not None:
-                handoff = None
-                if seq.lease_on_finish and reason == "length":
-                    handoff = self.transfer.lease(seq, now)
-                self.scheduler.remove(seq)
-                out = self._finish(seq, reason, None, new_token_ids=[token])
-                out.kv_handoff = handoff
-            else:
-                out = self._output(seq, [token], seq.detokenizer.take_delta(final=False))
-            if raw is not None:
-                out.new_logprobs = [self._token_logprobs(token, raw)]
-            outputs.append(out)
-        return outputs
+                break
+        if reason is not None:
+            handoff = None
+            if seq.lease_on_finish and reason == "length":
+                handoff = self.transfer.lease(seq, now)
+            self.scheduler.remove(seq)
+            out = self._finish(seq, reason, None, new_token_ids=emitted)
+            out.kv_handoff = handoff
+        else:
+            out = self._output(seq, emitted, seq.detokenizer.take_delta(final=False))
+        if raws[0] is not None:
+            out.new_logprobs = [
+                self._token_logprobs(t, r)  # type: ignore[arg-type]
+                for t, r in zip(emitted, raws, strict=False)
+            ]
+        return out
 
     def _token_logprobs(self, token: int, raw: RawLogprobs) -> TokenLogprobs:
         decode = self.tokenizer.decode
@@ -167,6 +207,14 @@ class StepOutputs(EngineParts):
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,  # token times of every output so far, for streaming clients
         )
+
+
+def _history(seq: Sequence, num_drafts: int) -> list[int]:
+    """The tokens before a row's position (the penalties count them): a speculative row's
+    drafts before it are part of it, as they are if the row's token is used at all."""
+    if num_drafts == 0 or not seq.params.has_penalties:
+        return seq.token_ids
+    return seq.token_ids + seq.spec_token_ids[:num_drafts]
 
 
 def _child_seed(seed: int, index: int) -> int:

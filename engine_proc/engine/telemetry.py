@@ -18,6 +18,7 @@ from engine_proc.engine.telemetry_types import (
     StepStats,
     TokenEvent,
 )
+from engine_proc.spec_decode.verify import SpecDecodeStats
 
 _MAX_EVENTS = 1 << 16  # bounded: nobody may make the engine hold unbounded history
 
@@ -31,6 +32,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_requests_finished: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     token_events: deque[TokenEvent] = field(default_factory=lambda: deque(maxlen=_MAX_EVENTS))
     steps: deque[StepStats] = field(default_factory=lambda: deque(maxlen=_MAX_EVENTS))
 

@@ -4,6 +4,7 @@ positions, slot mapping, block tables and query offsets, and runs the forward pa
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -95,7 +96,10 @@ class ModelRunner:
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             end = start + n
+            drafts = seq.spec_token_ids  # a speculative row: its last token, then the drafts
             input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(drafts)
+            assert len(input_ids) - len(positions) == n, (seq.display_id, n, len(drafts))
             # the rotary table's rows: positions, offset to the long-factor rows for LongRoPE
             # sequences past the original length (the fused step, which reads positions as
             # such, refuses LongRoPE models)
@@ -106,8 +110,9 @@ class ModelRunner:
             tables[row, : len(table)] = table
             query_lens.append(n)
             seq_lens.append(end)
-            if end == seq.num_tokens:  # the prompt (or the last token) is done: sample
-                logits_indices.append(len(input_ids) - 1)
+            if end == seq.num_tokens + len(drafts):  # the prompt (or the last token) is done:
+                # sample (a speculative row: at the last token and every draft, to verify them)
+                logits_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 sampling.append(seq)
         dev = self.device
         query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
@@ -164,7 +169,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Logits [num_sampling_seqs, vocab] (float32) and the sequences they belong to."""
+        """Logits (float32) and the sequences they belong to: a row per sequence, 1 + k rows
+        for one with k drafts (seq.spec_token_ids). Speculative rows are multi-token rows: the
+        eager pass, or the fused step's one-token-per-row prompt path (its precise products,
+        slower per token than its decode rows), never the decode graphs."""
         self.copy_blocks(batch.block_copies)
         fused = self.fused.ready()
         if fused is None or self.decode_graphs is not None:
@@ -250,5 +258,9 @@ def merge_in_batch_order(
     if not seqs:
         return parts[0][0], []
     logits = torch.cat([lg for lg, part_seqs in parts if part_seqs])
+    counts = [1 + len(seq.spec_token_ids) for seq in seqs]  # a row, and one per draft
+    first_row = [0, *accumulate(counts)]
+    assert first_row[-1] == logits.shape[0], (first_row[-1], logits.shape)
     order = sorted(range(len(seqs)), key=lambda i: position[id(seqs[i])])
-    return logits[order], [seqs[i] for i in order]
+    rows = [r for i in order for r in range(first_row[i], first_row[i + 1])]
+    return logits[rows], [seqs[i] for i in order]

@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_kernel_arguments(g)
     add_kv_tier_arguments(g)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
     g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # "module:callable"
     s = parser.add_argument_group("serving")
     s.add_argument(
@@ -152,6 +159,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
+        speculative_config=getattr(args, "speculative_config", None),
         **kernel_options(args),
         **kv_tier_options(args),
     )

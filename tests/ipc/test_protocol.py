@@ -118,7 +118,8 @@ DOC_PUB_FIELDS = {
 DOC_NESTED_FIELDS = {
     P.SamplingOptions: {"max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop",
                         "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                        "repetition_penalty", "logit_bias", "logprobs", "structured"},
+                        "repetition_penalty", "logit_bias", "logprobs", "structured",
+                        "speculative"},
     P.ChatMessage: {"role", "content", "tool_calls", "tool_call_id", "name",
                     "reasoning_content"},
     P.StructuredOutput: {"kind", "spec", "field"},
@@ -160,7 +161,7 @@ DOC_ERROR_CODES = {
 DOC_SAMPLING_DEFAULTS = dict(
     max_tokens=256, temperature=1.0, top_k=0, top_p=1.0, seed=None, n=1, stop=[],
     stop_token_ids=[], ignore_eos=False, presence_penalty=0.0, frequency_penalty=0.0,
-    repetition_penalty=1.0, logit_bias={}, logprobs=None, structured=None,
+    repetition_penalty=1.0, logit_bias={}, logprobs=None, structured=None, speculative=True,
 )  # fmt: skip
 
 

@@ -86,3 +86,23 @@ def test_kv_tier_metrics_appear_only_with_tiers() -> None:
     assert s[("kvscope:kv_tier_blocks", (*e, ("tier", "host")))] == 3
     assert s[("kvscope:kv_tier_hits_total", (*e, ("tier", "disk")))] == 2
     assert s[("kvscope:external_prefix_cache_hits_total", e)] == 48
+
+
+def test_spec_decode_counters_under_vllm_names() -> None:
+    info = SimpleNamespace(block_size=16, num_blocks=4, dtype="float32", kv_bytes_per_token=8,
+                           device="cpu")  # fmt: skip
+    tel = _telemetry()
+    plain = _samples(render(SimpleNamespace(telemetry=tel, model_info=info), "m").decode())
+    assert not any(name.startswith("kvscope:spec_decode") for name, _ in plain)
+    tel.counters.update({"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40,
+                         "spec_decode_num_accepted_tokens": 25,
+                         "spec_decode_num_accepted_tokens_per_pos:0": 9,
+                         "spec_decode_num_accepted_tokens_per_pos:1": 16 - 9})  # fmt: skip
+    s = _samples(render(SimpleNamespace(telemetry=tel, model_info=info), "m").decode())
+    e = (("engine", "0"),)
+    assert s[("kvscope:spec_decode_num_drafts_total", e)] == 10
+    assert s[("kvscope:spec_decode_num_draft_tokens_total", e)] == 40
+    assert s[("kvscope:spec_decode_num_accepted_tokens_total", e)] == 25
+    per_pos = "kvscope:spec_decode_num_accepted_tokens_per_pos_total"
+    assert s[(per_pos, (*e, ("position", "0")))] == 9
+    assert s[(per_pos, (*e, ("position", "1")))] == 7

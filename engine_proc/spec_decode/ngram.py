@@ -1,0 +1,49 @@
+"""Prompt-lookup (n-gram) drafts: a sequence that is repeating text it already holds (code edits,
+quotes, summaries of the prompt) most likely goes on as it did the last time. For n from
+prompt_lookup_max down to prompt_lookup_min, the latest earlier occurrence of the sequence's last
+n tokens is found, and the (up to) k tokens that followed it are the drafts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class NgramProposer:
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.prompt_lookup_min <= self.prompt_lookup_max
+        assert self.num_speculative_tokens >= 1
+
+    def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
+        """At most k (default num_speculative_tokens) drafts to follow token_ids; [] if none
+        of its suffixes occurred earlier."""
+        k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        return find_continuation(tokens, self.prompt_lookup_min, self.prompt_lookup_max, k)
+
+
+def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
+    """The tokens after the latest earlier match of the longest suffix of length in
+    [n_min, n_max] that has one (numpy over the candidates, no loop over the history)."""
+    length = tokens.shape[0]
+    if k <= 0 or length <= n_min:
+        return []
+    # Candidate starts i of a match of length n end at i + n - 1 < length - 1 with the last
+    # token; found once (for n_min: the widest range), then narrowed per n.
+    ends = np.flatnonzero(tokens[n_min - 1 : length - 1] == tokens[-1]) + (n_min - 1)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        starts = ends - (n - 1)
+        starts = starts[starts >= 0]
+        ok = np.ones(starts.shape[0], dtype=bool)
+        for j in range(n - 1):  # the last token matches by construction
+            ok &= tokens[starts + j] == tokens[length - n + j]
+        if ok.any():
+            start = int(starts[ok][-1])
+            return tokens[start + n : start + n + k].tolist()
+    return []

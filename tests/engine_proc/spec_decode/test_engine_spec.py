@@ -1,0 +1,246 @@
+"""N-gram speculative decoding in the engine: the same tokens as the engine without it (greedy,
+and seeded sampling, whose draws are the same uniforms), through continuous batching, opt-outs,
+prefix caching, chunked prefill and preemption, with no block leaked and no draft token ever in
+the prefix cache's hash chain.
+
+A tiny random model never repeats its prompt on its own: logit_bias on three tokens restricts it
+to a three-token alphabet, over which its context still decides the order, so the n-gram drafts
+are sometimes right and sometimes wrong (the tests assert both from the counters)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine_proc import EngineConfig, LLMEngine, SamplingParams
+from engine_proc.core.kv_cache_manager import block_hash, root_hash
+from tests.tiny_models import tiny_model_dir
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}  # fmt: skip
+ALPHABET = {500: 100.0, 501: 100.0, 502: 100.0}
+PROMPTS = [
+    [500, 501, 502, 500, 500] * 4,
+    list(range(300, 330)) + [500, 501, 502, 501] * 3,
+    [7, 8, 9] * 6,
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return tiny_model_dir(
+        "llama", num_heads=4, num_kv_heads=2, num_layers=2, max_position_embeddings=1024
+    )
+
+
+def make(path, speculative: bool, **config) -> LLMEngine:
+    config.setdefault("num_kv_blocks", 256)
+    config.setdefault("block_size", 4)  # many block boundaries for drafts to cross
+    spec = SPEC if speculative else None
+    return LLMEngine(EngineConfig(model=str(path), speculative_config=spec, **config))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_path):
+    return make(tiny_path, False), make(tiny_path, True)
+
+
+def params_list(**kw) -> list[SamplingParams]:
+    """A request per prompt: two constrained to the alphabet, one free (drafts mostly wrong),
+    and the last alphabet request again with the per-request opt-out."""
+    kw = {"max_tokens": 37, "ignore_eos": True} | kw
+    return [
+        SamplingParams(logit_bias=ALPHABET, **kw),
+        SamplingParams(logit_bias=ALPHABET, **kw),
+        SamplingParams(**kw),
+        SamplingParams(logit_bias=ALPHABET, speculative=False, **kw),
+    ]
+
+
+@dataclass
+class Streamed:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)  # from the deltas, as a client sees
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)
+
+
+_ids = itertools.count()
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):
+    """Stream the requests together; their outputs (one per sequence) in request order."""
+    free = engine.kv.pool.num_free
+    outs: dict[tuple[str, int], Streamed] = {}
+    for prompt, p in zip(prompts, params, strict=True):
+        rid = f"r{next(_ids)}"
+        engine.add_request(rid, prompt, p)
+        for index in range(p.n):
+            outs[(rid, index)] = Streamed(rid)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            s = outs[(out.request_id, out.index)]
+            s.token_ids += out.new_token_ids
+            s.text += out.text_delta
+            s.logprobs += out.new_logprobs or []
+            s.finish_reason = out.finish_reason
+            assert out.token_ids == s.token_ids
+    assert engine.kv.pool.num_free == free == engine.num_blocks, "blocks leaked"
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    result = list(outs.values())
+    assert_hashes_are_of_real_tokens(engine, prompts, result)
+    return result
+
+
+_REAL: dict[int, set[bytes]] = {}  # per engine: the block hashes of every request it served
+
+
+def assert_hashes_are_of_real_tokens(engine: LLMEngine, prompts, outs) -> None:
+    """Every block in the prefix cache is a block of some request's prompt + output: no
+    rejected draft ever entered the hash chain."""
+    real = _REAL.setdefault(id(engine), set())
+    bs = engine.block_size
+    first = root_hash(engine.cache_identity, None)
+    by_request = {}
+    for out in outs:
+        by_request.setdefault(out.request_id, []).append(out)
+    for prompt, family in zip(prompts, by_request.values(), strict=True):
+        for out in family:
+            tokens = list(prompt) + list(out.token_ids)
+            parent = first
+            for i in range(len(tokens) // bs):
+                parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+                real.add(parent)
+    cached = set(engine.kv.pool.hash_to_block)
+    assert cached <= real, f"{len(cached - real)} cached blocks hold tokens no request has"
+
+
+def spec_counts(engine: LLMEngine) -> tuple[int, int]:
+    s = engine.stats.spec_decode
+    return s.num_draft_tokens, s.num_accepted_tokens
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": 0},
+        {"temperature": 1.0, "seed": 11},
+        {"temperature": 0.8, "top_k": 2, "seed": 5, "repetition_penalty": 1.3, "logprobs": 2},
+        {"temperature": 1.0, "seed": 3, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+    ],
+    ids=["greedy", "sampled", "topk-penalty-logprobs", "presence-frequency"],
+)
+def test_same_tokens_as_without_speculation(engines, kw) -> None:
+    base, spec = engines
+    prompts = PROMPTS + [PROMPTS[0]]
+    drafted, accepted = spec_counts(spec)
+    want = run(base, prompts, params_list(**kw))
+    got = run(spec, prompts, params_list(**kw))
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.text == w.text
+        assert g.finish_reason == w.finish_reason
+        if kw.get("logprobs") is not None:
+            assert len(g.logprobs) == len(w.logprobs) == len(w.token_ids)
+            for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                assert a.token_id == b.token_id
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+                assert [t[0] for t in a.top] == [t[0] for t in b.top]
+    drafted2, accepted2 = spec_counts(spec)
+    assert accepted2 > accepted, "no draft was ever accepted"
+    assert drafted2 - drafted > accepted2 - accepted, "no draft was ever rejected"
+    c = spec.snapshot().counters
+    assert c["spec_decode_num_accepted_tokens"] == accepted2
+    assert sum(v for k, v in c.items() if k.startswith("spec_decode_num_accepted_tokens_per_pos:")
+               ) == accepted2  # fmt: skip
+    assert "spec_decode_num_drafts" not in base.snapshot().counters
+
+
+def test_stops_inside_an_accepted_run(engines) -> None:
+    """A stop token, a stop string and max_tokens that fall among accepted drafts: the tokens
+    after them are dropped, as plain decoding never makes them."""
+    base, spec = engines
+    tok = base.tokenizer
+    stop_text = tok.decode([502])
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0, logit_bias=ALPHABET, stop_token_ids=[502]),
+        SamplingParams(max_tokens=40, temperature=0, logit_bias=ALPHABET, stop=[stop_text]),
+        SamplingParams(max_tokens=40, temperature=0, logit_bias=ALPHABET, ignore_eos=True),
+    ]
+    for max_tokens in (5, 6, 7, 9, 13):
+        cases.append(SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                    logit_bias=ALPHABET))  # fmt: skip
+    prompts = [PROMPTS[0]] * len(cases)
+    want = run(base, prompts, cases)
+    got = run(spec, prompts, cases)
+    for w, g in zip(want, got, strict=True):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+
+
+def test_parallel_sampling_forks(engines) -> None:
+    base, spec = engines
+    p = SamplingParams(n=3, max_tokens=30, temperature=1.0, seed=9, logit_bias=ALPHABET,
+                       ignore_eos=True)  # fmt: skip
+    want = run(base, [PROMPTS[1]], [p])
+    got = run(spec, [PROMPTS[1]], [p])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_chunked_prefill_prefix_caching_and_preemption(tiny_path) -> None:
+    """A long prompt in small chunks beside decodes, a shared prefix hit, and a pool small
+    enough to preempt: the same tokens, nothing leaked."""
+    config = dict(num_kv_blocks=40, long_prefill_chunk=8, max_num_batched_tokens=24)
+    base, spec = make(tiny_path, False, **config), make(tiny_path, True, **config)
+    long_prompt = list(range(1000, 1060)) + [500, 501, 502] * 3
+    prompts = [long_prompt, PROMPTS[0], long_prompt[:40] + [500, 502], PROMPTS[1]]
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                             logit_bias=ALPHABET)] * 4  # fmt: skip
+    want = run(base, prompts, params)
+    got = run(spec, prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.stats.num_preemptions > 0
+    assert spec.stats.prefix_cache_hits > 0
+    drafted, accepted = spec_counts(spec)
+    assert 0 < accepted < drafted
+    again = run(spec, prompts, params)  # now mostly prefix hits of blocks the drafts filled
+    assert [g.token_ids for g in again] == [w.token_ids for w in want]
+
+
+def test_speculation_off_for_structured_output(engines) -> None:
+    from ipc.messages import StructuredOutput
+
+    _, spec = engines
+    before = spec.stats.spec_decode.num_drafts
+    p = SamplingParams(max_tokens=12, temperature=0,
+                       structured=StructuredOutput(kind="regex", spec="(ab)+",
+                                                   field="response_format"))  # fmt: skip
+    (out,) = run(spec, [PROMPTS[0]], [p])
+    assert out.token_ids and spec.stats.spec_decode.num_drafts == before
+
+
+def test_greedy_matches_transformers(engines, tiny_path) -> None:
+    """Against an independent reference: transformers' greedy generate() of the same model,
+    with the same bias on the alphabet (its sequence_bias)."""
+    import torch
+
+    from tests.tiny_models import hf_reference_model
+
+    _, spec = engines
+    model = hf_reference_model(tiny_path)
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10] * 5 + [7, 8]]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             logit_bias=ALPHABET)] * len(prompts)  # fmt: skip
+    drafted, accepted = spec_counts(spec)
+    got = run(spec, prompts, params)
+    for prompt, g in zip(prompts, got, strict=True):
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=2,
+            sequence_bias={(t,): b for t, b in ALPHABET.items()},
+        )  # fmt: skip
+        assert g.token_ids == out[0, len(prompt) :].tolist()
+    drafted2, accepted2 = spec_counts(spec)
+    assert accepted2 > accepted and drafted2 - drafted > accepted2 - accepted

@@ -1,0 +1,40 @@
+"""The n-gram proposer against a brute-force search of the same rule."""
+
+from __future__ import annotations
+
+import random
+
+from engine_proc.spec_decode.ngram import NgramProposer
+
+
+def brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+    for n in range(n_max, n_min - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_matches_brute_force_on_random_sequences() -> None:
+    rng = random.Random(0)
+    for trial in range(3000):
+        vocab = rng.choice([2, 3, 5, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        n_min = rng.randint(1, 3)
+        n_max = rng.randint(n_min, 5)
+        k = rng.randint(1, 6)
+        proposer = NgramProposer(k, n_max, n_min)
+        assert proposer.propose(tokens) == brute_force(tokens, n_min, n_max, k), (trial, tokens)
+
+
+def test_prefers_the_longest_suffix_then_the_latest_occurrence() -> None:
+    p = NgramProposer(3, 3, 1)
+    # "1 2 3" occurs once (followed by 7 8 9); "3" alone occurs later (followed by 5)
+    assert p.propose([1, 2, 3, 7, 8, 9, 3, 5, 1, 2, 3]) == [7, 8, 9]
+    assert p.propose([4, 3, 5, 6, 4, 3, 6, 6, 9, 3]) == [6, 6, 9]  # latest "3"
+    assert p.propose([1, 2, 3, 4]) == []
+    assert p.propose([1, 2, 3, 4], k=1) == []
+    assert NgramProposer(4, 2, 2).propose([1, 2, 9, 1, 2], k=2) == [9, 1]
