@@ -36,7 +36,8 @@ class BuildLock(Protocol):
 
 
 class FlockLock:
-    """``fcntl.flock`` on ``path``, released by the OS with its process."""
+    """``fcntl.flock`` on ``path``, released by the OS with its process. The file itself stays:
+    removing it while another process waits on it would let a third lock a new file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -22,6 +22,7 @@ from engine_proc.config import add_kernel_arguments, kernel_options
 from engine_proc.executor import fused_build, fused_head
 from engine_proc.executor import fused_decode as fd
 from engine_proc.models.int4 import int4_kernels_available
+from engine_proc.server.wire import telemetry_from_snapshot
 from tests.engine_proc.attention.test_kv_float_pools import fp16_transform
 from tests.engine_proc.executor.test_fused_decode_kernels import our_kernels, q8_matrix
 from tests.engine_proc.models.test_int4 import (
@@ -253,8 +254,8 @@ def test_a_start_finding_a_build_in_progress_decodes_eagerly_then_switches(monke
     finished.set()
     assert fused._pending is not None and fused._pending.result(timeout=60) is module
     assert fused.ready() is step and (fused.state, fused.detail) == ("fused", "avx2_fp32")
-    snap = engine.snapshot()
-    assert (snap.decode_step, snap.decode_detail) == ("fused", "avx2_fp32")
+    telemetry = telemetry_from_snapshot(engine.snapshot(), seq=1, paused=False, num_clients=0)
+    assert (telemetry.decode_step, telemetry.decode_detail) == ("fused", "avx2_fp32")
 
 
 def test_eager_says_why(monkeypatch):
