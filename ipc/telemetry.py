@@ -125,6 +125,11 @@ class Telemetry(_EngineMsg, tag="telemetry", kw_only=True):
     # Routed-experts models: tokens routed to each expert, [layer][expert], cumulative since the
     # model was loaded (rows of dense layers 0); empty for models without experts.
     expert_counts: list[list[int]] = msgspec.field(default_factory=list)
+    # The CPU decode step: "fused", "building" (eager while the fused step compiles) or "eager";
+    # decode_detail: the fused step's 4-bit kernel, "here" / "elsewhere" (which process builds
+    # it) or why it decodes eagerly. "" from engines without a fused step (GPUs, older ones).
+    decode_step: str = ""
+    decode_detail: str = ""
 
 
 # Histogram names in Telemetry.histograms (vLLM's metric names without prefix and unit suffix

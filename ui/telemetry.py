@@ -108,6 +108,9 @@ class Frame:
     # routed-experts models: tokens routed to each expert, [layer, expert], cumulative since the
     # model was loaded; None for models without experts
     expert_counts: np.ndarray | None = None
+    # the CPU decode step and its detail (ipc.telemetry.Telemetry.decode_step); "" for none
+    decode_step: str = ""
+    decode_detail: str = ""
 
     @property
     def num_blocks(self) -> int:
@@ -177,6 +180,8 @@ class Frame:
             token_events=events,
             steps=steps,
             expert_counts=_expert_counts(_get(snap, "expert_counts")),
+            decode_step=str(_get(snap, "decode_step", "") or ""),
+            decode_detail=str(_get(snap, "decode_detail", "") or ""),
         )
 
     def owners(self) -> dict[int, list[str]]:

@@ -159,4 +159,7 @@ class LiveControl(EngineParts):
         snap.finished_reasons = dict(self.histograms.finished_reasons)
         if self.model.expert_counts is not None:
             snap.expert_counts = self.model.expert_counts.tolist()
+        if self.model.device.type == "cpu":  # the fused step is a CPU step: GPUs report none
+            snap.decode_step = self.runner.fused.state
+            snap.decode_detail = self.runner.fused.detail
         return snap

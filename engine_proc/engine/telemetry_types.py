@@ -77,3 +77,8 @@ class EngineSnapshot:
     # Routed-experts models: tokens routed to each expert, [layer][expert], cumulative since
     # load (rows of dense layers 0); empty for models without experts.
     expert_counts: list[list[int]] = field(default_factory=list)
+    # The CPU decode step (engine_proc/executor/fused_decode.py FusedDecode): "fused",
+    # "building" (eager while it compiles) or "eager"; its detail: the 4-bit kernel, where it
+    # is built ("here" / "elsewhere") or why eager. "" from engines without it (GPUs).
+    decode_step: str = ""
+    decode_detail: str = ""

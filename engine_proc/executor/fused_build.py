@@ -2,6 +2,8 @@
 with the machine's C++ compiler (torch's cpp_extension, ``-O3 -march=native``) and cached under
 ``$KVSCOPE_CACHE_DIR/native`` (default ``~/.cache/kvscope/native``), keyed by its source,
 torch's version and this CPU's flags, so a second start loads it in well under a second.
+One process builds at a time, under a lock the OS drops with its process (build_lock.py):
+a start that finds a build in progress waits for it (fused_decode.py: eagerly, then switches).
 What uses it: engine_proc/executor/fused_decode.py."""
 
 from __future__ import annotations
@@ -15,19 +17,25 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
+from engine_proc.executor import build_lock
 from engine_proc.loading.loader import tokenizer_cache_dir
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NATIVE = Path(__file__).parent.parent / "native"
 SOURCE = NATIVE / "fused_decode.cpp"  # includes the headers beside it
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+LOCK_NAME = "kvscope.lock"  # ours, held by the building process (build_lock.py)
+DONE_NAME = "built"  # written once a build finished: a start finding it loads at once
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType] = {}
 
@@ -73,29 +81,43 @@ def build_dir(key: str) -> Path:
 
 
 def load_extension() -> ModuleType:
-    """Compile (or load the cached build of) the extension; raises when it cannot be built."""
+    """Compile (or load the cached build of) the extension; raises when it cannot be built.
+    One process builds a directory at a time (build_lock.py); a start that finds another
+    building waits for it, then loads its build (or builds itself when that one was killed)."""
     sources = read_sources()
     key = build_key(sources)
     with _lock:
         if key in _loaded:
             return _loaded[key]
-        from torch.utils import cpp_extension
-
         directory = build_dir(key)
         directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_lock(directory)
         t0 = time.perf_counter()
-        module = cpp_extension.load(
-            name=f"kvscope_fused_decode_{key}",
-            sources=[str(staged_sources(directory, sources) / SOURCE.name)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
+        module = locked_build(directory, lambda d: _compile(d, key, sources))
         logger.info("fused decode step loaded in %.1f s (%s)", time.perf_counter() - t0, directory)
         _loaded[key] = module
         return module
+
+
+def locked_build(directory: Path, build: Callable[[Path], T]) -> T:
+    """``build(directory)`` under the directory's build lock, marked done when it returns."""
+    with build_lock.holding(directory / LOCK_NAME):
+        remove_leftover_torch_lock(directory)
+        result = build(directory)
+        (directory / DONE_NAME).touch()
+        return result
+
+
+def _compile(directory: Path, key: str, sources: dict[str, str]) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=f"kvscope_fused_decode_{key}",
+        sources=[str(staged_sources(directory, sources) / SOURCE.name)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        verbose=False,
+    )
 
 
 def staged_sources(directory: Path, sources: dict[str, str]) -> Path:
@@ -118,29 +140,34 @@ def staged_sources(directory: Path, sources: dict[str, str]) -> Path:
     return staged
 
 
-STALE_LOCK_SECONDS = 600.0  # a build takes about a minute; an older lock is a killed build's
-
-
-def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
-    """torch's cpp_extension waits for its `lock` file to go away before building, forever: a
-    build killed midway (an engine stopped while building) would leave every later start
-    waiting. A lock older than any build can take is removed (True when one was)."""
+def remove_leftover_torch_lock(directory: Path) -> bool:
+    """torch's cpp_extension waits for its `lock` file to go away before building, forever, and
+    a build killed midway leaves it. Every build takes our lock first, so with our lock held a
+    torch lock has no live holder: it is removed (True when one was)."""
     lock = directory / "lock"
-    try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
+    if not lock.exists():
         return False
-    if age < STALE_LOCK_SECONDS:
-        return False
-    logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+    logger.warning("removing the lock file a killed build left: %s", lock)
     lock.unlink(missing_ok=True)
     return True
 
 
 def is_built() -> bool:
-    """Whether this machine has a cached build of the current source."""
-    directory = build_dir(build_key()) if tokenizer_cache_dir() is not None else None
-    return directory is not None and any(directory.glob("*.so"))
+    """Whether this machine has a finished build of the current source."""
+    return build_state() == "built"
+
+
+def build_state() -> str:
+    """The build's state here: "built" (a finished build to load), "building" (another live
+    process is building it now) or "absent"."""
+    if tokenizer_cache_dir() is None:  # no cache: every start builds in its own directory
+        return "absent"
+    directory = build_dir(build_key())
+    if (directory / DONE_NAME).exists() and any(directory.glob("*.so")):
+        return "built"
+    if directory.is_dir() and build_lock.held_elsewhere(directory / LOCK_NAME):
+        return "building"
+    return "absent"
 
 
 def main() -> None:

@@ -330,9 +330,10 @@ def _strips(module: ModuleType, block: int, packed: torch.Tensor, k: int, n: int
 
 class FusedDecode:
     """The fused step of one runner, per ``decode_step``: "fused" builds (or loads) it now;
-    "auto" loads a cached build now, or builds one on a low-priority background thread while
-    the engine decodes eagerly, and switches when it is ready; "eager" never uses it. A build
-    that fails, or a model it cannot serve, leaves the eager path with a logged reason."""
+    "auto" loads a finished build now, or builds one on a low-priority background thread (or
+    waits there for another process's build, fused_build.py) while the engine decodes eagerly,
+    and switches when it is ready; "eager" never uses it. A build that fails, or a model it
+    cannot serve, leaves the eager path with a reason (logged, and in ``detail``)."""
 
     def __init__(
         self, model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool, mode: str
@@ -342,17 +343,23 @@ class FusedDecode:
         self.model = model
         self.step: FusedDecodeStep | None = None
         self.state = "eager"  # "fused" | "building" | "eager"
-        self._pending: Future[ModuleType | None] | None = None
+        # fused: the 4-bit kernel (INT4_KERNELS); building: "here" or "elsewhere" (another
+        # process builds it); eager: why (what the window shows)
+        self.detail = "decode_step='eager'" if mode == "eager" else ""
+        self._pending: Future[ModuleType | str] | None = None
         if mode == "eager":
             return
         why = unsupported_reason(model, kv_cache, kv_quantized)
         if why is not None:
             log = logger.warning if mode == "fused" else logger.info
             log("fused decode step not used: %s; decoding eagerly", why)
-        elif mode == "fused" or fused_build.is_built():
+            self.detail = why
+            return
+        found = "built" if mode == "fused" else fused_build.build_state()
+        if found == "built":
             self._use(_guarded_load)
         else:
-            self.state = "building"
+            self.state, self.detail = "building", "elsewhere" if found == "building" else "here"
             self._pending = _build_in_background()
 
     def ready(self) -> FusedDecodeStep | None:
@@ -362,26 +369,27 @@ class FusedDecode:
             self._use(pending.result)
         return self.step
 
-    def _use(self, get_module: Callable[[], ModuleType | None]) -> None:
+    def _use(self, get_module: Callable[[], ModuleType | str]) -> None:
         module = get_module()
-        if module is None:
-            self.state = "eager"
+        if isinstance(module, str):  # why it could not be built
+            self.state, self.detail = "eager", module
             return
         self.step = FusedDecodeStep.create(self.model, module)
         fused_head.use_head_kernel(self.model, module, self.step)
-        self.state = "fused"
+        self.state, self.detail = "fused", self.step.int4_kernel
 
 
-def _guarded_load() -> ModuleType | None:
+def _guarded_load() -> ModuleType | str:
     try:
         return fused_build.load_extension()
     except Exception as exc:  # no compiler, a compile error, an unloadable module: stay eager
         logger.warning("fused decode step unavailable (%s); decoding eagerly", exc)
-        return None
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"the build failed: {first_line[:120]}"  # the log has the whole error
 
 
-def _build_in_background() -> Future[ModuleType | None]:
-    future: Future[ModuleType | None] = Future()
+def _build_in_background() -> Future[ModuleType | str]:
+    future: Future[ModuleType | str] = Future()
 
     def build() -> None:
         if sys.platform == "linux":  # nice is per thread on Linux; the compiler inherits it

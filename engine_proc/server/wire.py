@@ -153,6 +153,8 @@ def telemetry_from_snapshot(
         },
         finished_reasons=dict(getattr(snap, "finished_reasons", {})),
         expert_counts=[[int(n) for n in row] for row in getattr(snap, "expert_counts", [])],
+        decode_step=str(getattr(snap, "decode_step", "")),
+        decode_detail=str(getattr(snap, "decode_detail", "")),
     )
 
 

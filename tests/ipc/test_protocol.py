@@ -110,7 +110,7 @@ DOC_ENGINE_FIELDS = {
 DOC_PUB_FIELDS = {
     "telemetry": {"seq", "time", "counters", "config", "blocks", "requests", "token_events",
                   "steps", "num_clients", "histograms", "finished_reasons", "kv_events_seq",
-                  "expert_counts"},
+                  "expert_counts", "decode_step", "decode_detail"},
     "heartbeat": _TOKEN | {"time", "paused"},
     "goodbye": _TOKEN | {"reason"},
     "kv_events": {"seq", "time", "events"},

@@ -42,9 +42,10 @@ class EngineLifecycle(QObject):
         self._stall_count = 0  # +1 per recovery from "not answering" (see _give_up_on)
 
     def on_frames(self, frames: list) -> None:
-        """The lower tiers' blocks and hits, from the latest telemetry counters."""
+        """The lower tiers' blocks and hits, and the decode step, from the latest telemetry."""
         if frames and self.sender() is self.w.link:
             self.w.status.show_tiers(frames[-1].counters)
+            self.w.status.show_decode_step(frames[-1].decode_step, frames[-1].decode_detail)
 
     # --- start and link --------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,6 +140,7 @@ class EngineLifecycle(QObject):
         w.chat.model_name = welcome.model.name  # conversations record the model they ran on
         w.chat.max_model_len = welcome.model.max_model_len  # the attachments' context warning
         w.status.show_tiers({})
+        w.status.show_decode_step("", "")
         w.remote.set_controls_remote(None)
         w.controls.setEnabled(True)
         w.controls.show_config(config_dict(welcome.config))
@@ -239,6 +241,7 @@ class EngineLifecycle(QObject):
         w.metric_charts.clear()
         w.kv_aggregate.clear()
         w.status.show_tiers({})
+        w.status.show_decode_step("", "")
         w.remote.aliases.clear()
         w.load_panel.set_running(False)
         self.start()

@@ -13,6 +13,7 @@ from app.remote.samples import MetricSample
 from ui import theme
 from ui.units import human_bytes, short_bytes
 from ui.window.api_server import OFF, SERVING, WAITING, ApiServer
+from ui.window.decode_status import decode_status_text, decode_status_tip
 
 STATE_COLOURS = {
     "starting": "#8a909c", "loading": "#f5a623", "ready": "#3cb44b", "busy": "#42d4f4",
@@ -160,6 +161,9 @@ class StatusBarView:
             "blocks loaded back instead of recomputed; then the prompt tokens looked up below "
             "the pool and how many were found")
         self.tiers_label.setVisible(False)
+        self.decode_label = QLabel()
+        self.decode_label.setStyleSheet(f"color: {theme.MUTED}; margin-right: 8px;")
+        self.decode_label.setVisible(False)
         self.api_label = QLabel()
         self.api_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.api_label.setStyleSheet(f"color: {theme.ACCENT}; margin-left: 8px;")
@@ -178,6 +182,7 @@ class StatusBarView:
         bar.addWidget(self.model_label)
         bar.addWidget(self.api_label)
         bar.addWidget(self.remote_label)
+        bar.addPermanentWidget(self.decode_label)
         bar.addPermanentWidget(self.tiers_label)
         bar.addPermanentWidget(self.kv_label)
 
@@ -234,6 +239,16 @@ class StatusBarView:
             self.tiers_label.setText(text)
         if self.tiers_label.isHidden() == bool(text):
             self.tiers_label.setVisible(bool(text))
+
+    def show_decode_step(self, step: str, detail: str) -> None:
+        """Which CPU decode step runs and why (hidden for engines without one); called with
+        every frame batch: the label changes only when its text does."""
+        text = decode_status_text(step, detail)
+        if text != self.decode_label.text():
+            self.decode_label.setText(text)
+            self.decode_label.setToolTip(decode_status_tip(step))
+        if self.decode_label.isHidden() == bool(text):
+            self.decode_label.setVisible(bool(text))
 
     def show_server(self, info: ServerInfo, s: MetricSample | None) -> None:
         """A server without per-block telemetry: its kind, model, URL, ranks and pool size

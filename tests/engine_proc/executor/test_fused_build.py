@@ -1,5 +1,6 @@
 """Building the fused decode step's extension (engine_proc/executor/fused_build.py): what a machine
-lacks is named, a killed build's lock does not block later starts, and a cached build does not
+lacks is named, torch's lock left by a killed build is removed (our own lock:
+test_build_lock.py), and a cached build does not
 recompile after the checkout moves. Compiling it is
 exercised by every test using the `extension` fixture (tests/conftest.py)."""
 
@@ -18,15 +19,10 @@ def test_what_the_build_needs_is_named(monkeypatch):
     assert "needs a C++ compiler" in fused_build.build_unavailable_reason()
 
 
-def test_a_killed_builds_lock_is_removed_once_stale_and_a_live_one_is_kept(tmp_path):
-    assert not fused_build.remove_stale_lock(tmp_path)  # no lock
-    lock = tmp_path / "lock"
-    lock.touch()
-    mtime = lock.stat().st_mtime
-    assert not fused_build.remove_stale_lock(tmp_path, now=mtime + 60)  # a build in progress
-    assert lock.exists()
-    assert fused_build.remove_stale_lock(tmp_path, now=mtime + fused_build.STALE_LOCK_SECONDS + 1)
-    assert not lock.exists()
+def test_torchs_lock_left_by_a_killed_build_is_removed_under_ours(tmp_path):
+    assert not fused_build.remove_leftover_torch_lock(tmp_path)  # no lock
+    (tmp_path / "lock").touch()
+    assert fused_build.locked_build(tmp_path, lambda d: (d / "lock").exists()) is False
 
 
 def test_sources_are_staged_in_the_build_directory_once(tmp_path):

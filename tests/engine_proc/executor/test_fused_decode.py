@@ -11,6 +11,8 @@ Its kernels one by one: tests/engine_proc/executor/test_fused_decode_kernels.py.
 from __future__ import annotations
 
 import logging
+import threading
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from engine_proc.config import add_kernel_arguments, kernel_options
 from engine_proc.executor import fused_build, fused_head
 from engine_proc.executor import fused_decode as fd
 from engine_proc.models.int4 import int4_kernels_available
+from engine_proc.server.wire import telemetry_from_snapshot
 from tests.engine_proc.attention.test_kv_float_pools import fp16_transform
 from tests.engine_proc.executor.test_fused_decode_kernels import our_kernels, q8_matrix
 from tests.engine_proc.models.test_int4 import (
@@ -96,6 +99,7 @@ def test_a_failed_build_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="engine_proc.executor.fused_decode")
     engine = _engine("fused")
     assert engine.runner.fused.state == "eager"
+    assert engine.runner.fused.detail == "the build failed: no C++ compiler"  # the window's
     assert "no C++ compiler" in caplog.text and "decoding eagerly" in caplog.text
     [out] = engine.generate([list(range(5, 12))], fd_params())
     assert len(out.token_ids) == 4 and engine.runner.num_fused_steps == 0
@@ -225,13 +229,51 @@ def test_every_int4_kernel_decodes_like_the_reference(extension, kernel):
     assert engine.runner.num_fused_steps == 2 * 7
 
 
+def test_a_start_finding_a_build_in_progress_decodes_eagerly_then_switches(monkeypatch):
+    """Another process is building the fused step (its lock held): this engine decodes
+    eagerly, says so in its telemetry, and switches once that build is ready (a fake build and
+    a fake step here: the real ones in the slow test below)."""
+    finished = threading.Event()
+    module = ModuleType("the_extension")
+
+    def another_process_building() -> ModuleType:
+        assert finished.wait(timeout=60)  # load_extension waits on the build lock meanwhile
+        return module
+
+    monkeypatch.setattr(fused_build, "build_unavailable_reason", lambda: None)
+    monkeypatch.setattr(fused_build, "build_state", lambda: "building")
+    monkeypatch.setattr(fused_build, "load_extension", another_process_building)
+    step = SimpleNamespace(int4_kernel="avx2_fp32")
+    monkeypatch.setattr(fd.FusedDecodeStep, "create", lambda model, module: step)
+    monkeypatch.setattr(fused_head, "use_head_kernel", lambda model, module, step: None)
+    engine = _engine("auto")
+    fused = engine.runner.fused
+    assert fused.ready() is None and (fused.state, fused.detail) == ("building", "elsewhere")
+    snap = engine.snapshot()
+    assert (snap.decode_step, snap.decode_detail) == ("building", "elsewhere")
+    finished.set()
+    assert fused._pending is not None and fused._pending.result(timeout=60) is module
+    assert fused.ready() is step and (fused.state, fused.detail) == ("fused", "avx2_fp32")
+    telemetry = telemetry_from_snapshot(engine.snapshot(), seq=1, paused=False, num_clients=0)
+    assert (telemetry.decode_step, telemetry.decode_detail) == ("fused", "avx2_fp32")
+
+
+def test_eager_says_why(monkeypatch):
+    monkeypatch.setattr(fused_build, "load_extension", _nothing_built)
+    assert _engine("eager").runner.fused.detail == "decode_step='eager'"
+    dense = LLMEngine(EngineConfig(num_kv_blocks=64, decode_step="auto"),
+                      checkpoint=snapped_checkpoint())  # fmt: skip
+    assert (dense.snapshot().decode_step, dense.snapshot().decode_detail) == (
+        "eager", "needs decode_weights='int4'")
+
+
 @pytest.mark.slow
 def test_auto_loads_a_cached_build_or_builds_in_the_background(extension, monkeypatch):
     assert fused_build.is_built()  # the fixture's build, in this suite's cache dir
     assert _engine("auto").runner.fused.state == "fused"
-    monkeypatch.setattr(fused_build, "is_built", lambda: False)  # as on a first start
+    monkeypatch.setattr(fused_build, "build_state", lambda: "absent")  # as on a first start
     engine = _engine("auto")
-    assert engine.runner.fused.state == "building"
+    assert (engine.runner.fused.state, engine.runner.fused.detail) == ("building", "here")
     pending = engine.runner.fused._pending
     assert pending is not None
     pending.result(timeout=600)  # the background thread finds the module already loaded
