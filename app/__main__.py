@@ -315,8 +315,20 @@ def _engine_options(args: argparse.Namespace, settings, ddir: Path | None = None
         num_threads=gui_engine_threads(),
         **_kv_options(settings, ddir),
         kv_events_config=getattr(args, "kv_events_config", None),  # not remembered: per run
+        speculative_tokens=_spec_tokens(settings),
         extra_args=shlex.split(args.engine_args),
     )
+
+
+def _spec_tokens(settings) -> int:
+    """*Engine → Speculative decoding*'s remembered draft length; anything else is off."""
+    from app.supervisor import SPECULATIVE_TOKEN_CHOICES
+
+    try:
+        value = int(settings.value("engine/speculative_tokens") or 0)
+    except (TypeError, ValueError):
+        return 0
+    return value if value in SPECULATIVE_TOKEN_CHOICES else 0
 
 
 # Largest remembered tier sizes taken as they are (a bigger one is a typo, not a wish).

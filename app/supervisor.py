@@ -34,6 +34,9 @@ KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")
 KV_DISK_SUBDIR = "kv-cache"  # the disk KV tier's directory, inside the app's data directory
 
 
+SPECULATIVE_TOKEN_CHOICES = (0, 2, 4, 8)  # draft tokens per step the window offers; 0 = off
+
+
 @dataclass(slots=True)
 class EngineOptions:
     """What the GUI passes to `python -m engine_proc serve` (None = the engine's default)."""
@@ -55,6 +58,8 @@ class EngineOptions:
     client_timeout: float | None = 120.0
     # vLLM-format KV cache events (--kv-events-config JSON, checked by the caller); None = off
     kv_events_config: str | None = None
+    # n-gram speculative decoding: draft tokens per step (Engine → Speculative decoding); 0 = off
+    speculative_tokens: int = 0
     extra_args: list[str] = field(default_factory=list)
 
     def to_args(self) -> list[str]:
@@ -72,6 +77,9 @@ class EngineOptions:
                             ("--kv-events-config", self.kv_events_config)):
             if value is not None:
                 args += [flag, str(value)]
+        if self.speculative_tokens:
+            args += ["--speculative-config", json.dumps(
+                {"method": "ngram", "num_speculative_tokens": self.speculative_tokens})]
         return args + list(self.extra_args)
 
 

@@ -34,4 +34,5 @@ def tiny_chat(args: argparse.Namespace) -> LLMEngine:
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     config.update(kv_tier_options(args))  # the KV element type and lower tiers (Engine menu)
+    config["speculative_config"] = getattr(args, "speculative_config", None)  # (Engine menu)
     return LLMEngine(EngineConfig(**config))

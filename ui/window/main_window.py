@@ -269,6 +269,7 @@ class MainWindow(QMainWindow):
         self.decode_weights_menu, self.decode_weight_actions = (
             self.option_menus.add_decode_weights_menu(menu))
         self.kv_cache_menu, self.kv_cache_actions = self.option_menus.add_kv_cache_menu(menu)
+        self.spec_menu, self.spec_actions = self.option_menus.add_speculative_menu(menu)
         menu.addSeparator()
         api = self.api_action = QAction("Serve &OpenAI API…", self, checkable=True)
         api.triggered.connect(self.api_toggle.on_triggered)
@@ -287,7 +288,9 @@ class MainWindow(QMainWindow):
             "set when the engine starts; this window watches a server over HTTP" if remote else
             "set when the engine starts; this window attached to a running one")
         for sub, tip in ((weights, ""), (self.kv_cache_menu, "the KV pool's element type and "
-                          "the tiers below it; a change restarts the engine")):
+                          "the tiers below it; a change restarts the engine"),
+                         (self.spec_menu, "draft tokens verified in one forward pass; a change "
+                          "restarts the engine")):
             sub.setEnabled(not self.source.connect)
             sub.setToolTip(attached_tip)
             sub.menuAction().setToolTip(attached_tip or tip)
@@ -329,6 +332,10 @@ class MainWindow(QMainWindow):
     def set_kv_disk_bytes(self, nbytes: int) -> None:
         """*Engine → KV cache → Disk tier*: bytes in <data dir>/kv-cache, 0 = off."""
         self.option_menus.set_kv_disk_bytes(nbytes)
+
+    def set_speculative_tokens(self, k: int) -> None:
+        """*Engine → Speculative decoding*: n-gram draft tokens per step, 0 = off."""
+        self.option_menus.set_speculative_tokens(k)
 
     def confirm_restart(self, in_flight: int, what: str = "the decode weights") -> bool:
         answer = QMessageBox.question(

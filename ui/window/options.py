@@ -10,7 +10,7 @@ from collections.abc import Callable
 from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QMenu
 
-from app.supervisor import KV_CACHE_DTYPES, KV_DISK_SUBDIR
+from app.supervisor import KV_CACHE_DTYPES, KV_DISK_SUBDIR, SPECULATIVE_TOKEN_CHOICES
 from ui.units import short_bytes
 from ui.window.host import WindowHost
 
@@ -52,6 +52,15 @@ KV_DISK_CHOICES = (
     (1 * GIB, "1 GiB", ""),
     (8 * GIB, "8 GiB", ""),
 )
+SPEC_CHOICES = (
+    (0, "Off", "one token per step per reply"),
+    (2, "n-gram, 2 draft tokens", "propose the 2 tokens that followed the last match of the "
+     "reply's recent tokens in its prompt or output, verified in one forward pass: exact"),
+    (4, "n-gram, 4 draft tokens", "as above with 4: more to gain where replies repeat their "
+     "input (summaries, edits of code), the same cost where they do not"),
+    (8, "n-gram, 8 draft tokens", "as above with 8"),
+)
+assert tuple(c[0] for c in SPEC_CHOICES) == SPECULATIVE_TOKEN_CHOICES
 KV_HOST_TIP = ("prefix blocks evicted from the KV pool are kept in this much host memory and "
                "loaded back instead of recomputed")
 KV_DISK_TIP = ("prefix blocks are written to files in the data directory (kv-cache), which a "
@@ -67,6 +76,7 @@ class EngineOptionMenus:
         self.w = window
         self.kv_menu: QMenu | None = None
         self.kv_actions: dict[str, dict[object, QAction]] = {}
+        self.spec_actions: dict[object, QAction] = {}
 
     # --- decode weights ------------------------------------------------------------------------
     def add_decode_weights_menu(self, menu: QMenu) -> tuple[QMenu, dict[str, QAction]]:
@@ -172,6 +182,23 @@ class EngineOptionMenus:
                              "kv_disk_dir": directory if nbytes else None},
                             {"engine/kv_disk_bytes": nbytes})
 
+    # --- speculative decoding -------------------------------------------------------------------
+    def add_speculative_menu(self, menu: QMenu) -> tuple[QMenu, dict[object, QAction]]:
+        """*Speculative decoding*: off or n-gram proposals of 2, 4 or 8 tokens (the engine's
+        --speculative-config); the status bar's counters line shows how many were accepted."""
+        spec = menu.addMenu("&Speculative decoding")
+        actions = self._radio_group(spec, SPEC_CHOICES, self.w.set_speculative_tokens)
+        actions[self.w.source.options.speculative_tokens or 0].setChecked(True)
+        self.spec_actions = actions
+        return spec, actions
+
+    def set_speculative_tokens(self, k: int) -> None:
+        if k not in SPECULATIVE_TOKEN_CHOICES:
+            raise ValueError(f"speculative tokens must be one of {list(SPECULATIVE_TOKEN_CHOICES)}"
+                             f", got {k!r}")
+        self.change_options("speculative decoding", {"speculative_tokens": k},
+                            {"engine/speculative_tokens": k})
+
     # --- options the engine starts with ----------------------------------------------------------
     def change_options(self, what: str, changes: dict[str, object], persist: dict[str, object],
                        note: str = "") -> bool:
@@ -210,6 +237,9 @@ class EngineOptionMenus:
         if actions:
             current = w.source.options.decode_weights or "dense"
             actions.get(current, actions["dense"]).setChecked(True)
+        spec = getattr(self, "spec_actions", {}).get(w.source.options.speculative_tokens or 0)
+        if spec is not None:
+            spec.setChecked(True)
         for key, value in self.kv_choice().items():
             action = self.kv_actions.get(key, {}).get(value)
             if action is not None:

@@ -33,3 +33,18 @@ def test_the_label_follows_the_telemetry_and_hides_without_a_step(qtbot):
     assert view.decode_label.text() == "decode: fused (AVX2 int4)"
     view.show_decode_step("", "")
     assert view.decode_label.isHidden()
+
+
+def test_the_speculation_line_reads_vllms_counters():
+    from ui.window.status_bar import spec_counters_text
+
+    assert spec_counters_text({}) == ""
+    assert spec_counters_text({"spec_decode_num_draft_tokens": 0.0}) == ""
+    c = {"spec_decode_num_drafts": 10.0, "spec_decode_num_draft_tokens": 40.0,
+         "spec_decode_num_accepted_tokens": 38.0,
+         "spec_decode_num_accepted_tokens_per_pos:1": 10.0,
+         "spec_decode_num_accepted_tokens_per_pos:0": 10.0,
+         "spec_decode_num_accepted_tokens_per_pos:3": 9.0,
+         "spec_decode_num_accepted_tokens_per_pos:2": 9.0}
+    assert spec_counters_text(c) == ("speculation: 38/40 draft tokens accepted (95%) · "
+                                     "by position 10 10 9 9")

@@ -4,6 +4,8 @@ Restart."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -303,3 +305,39 @@ def test_an_edited_branch_takes_the_shared_history_from_the_prefix_cache(win, qt
     assert win.block_map.highlight_rid == rid
     assert len(win.block_map.fork_blocks) * bs == reply.stats["cached_tokens"]
     assert "reused from the earlier branch" in win.chat._view_for(reply).stats.text()
+
+
+def test_speculative_decoding_menu_restarts_the_engine_and_replies_stay_the_same(win, qtbot):
+    """*Engine → Speculative decoding → n-gram, 4*: the engine restarts with vLLM's
+    --speculative-config, and a greedy reply is the one it gave without speculation (exact)."""
+    from ui.window.status_bar import spec_counters_text
+
+    assert win.spec_actions[0].isChecked()
+    _greedy(win, 160)
+    prompt = "one two three one two three one two three one two three"
+    _send(win, prompt)
+    plain = win.chat.current
+    qtbot.waitUntil(lambda: not win.chat.busy(plain.id), timeout=60_000)
+    win.spec_actions[4].trigger()
+    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
+                    and "--speculative-config" in win.supervisor.command, timeout=180_000)
+    i = win.supervisor.command.index("--speculative-config")
+    assert json.loads(win.supervisor.command[i + 1]) == {"method": "ngram",
+                                                         "num_speculative_tokens": 4}
+    assert win.settings.value("engine/speculative_tokens") in (4, "4")
+    _greedy(win, 160)
+    _send(win, prompt)
+    spec = win.chat.current
+    qtbot.waitUntil(lambda: not win.chat.busy(spec.id), timeout=60_000)
+    assert spec.messages[-1].content == plain.messages[-1].content
+    counters = win.history.latest.counters
+    assert "spec_decode_num_drafts" in counters  # the engine counts (vLLM's names)
+    # the tiny model's greedy reply repeats itself once in 160 tokens: a draft was proposed
+    assert counters["spec_decode_num_draft_tokens"] > 0
+    qtbot.waitUntil(lambda: win.status.tiers_label.text().startswith("speculation: "))
+    assert win.status.tiers_label.text() == spec_counters_text(win.history.latest.counters)
+    win.set_speculative_tokens(0)  # back, for whatever runs next in this module
+    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
+                    and "--speculative-config" not in win.supervisor.command, timeout=180_000)
+    with pytest.raises(ValueError, match="speculative tokens must be one of"):
+        win.set_speculative_tokens(3)
