@@ -14,7 +14,13 @@ SUPPORTED_KV_TIER_POLICIES = ("write_back", "write_through")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")
 DEFAULT_KV_DISK_BYTES = 4 * 1024**3
 SPECULATIVE_METHODS = ("ngram",)
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size")
+# Past this many running sequences a decode step is bound by compute, not by reading the
+# weights, and drafts cost more than they save (engine_proc/bench/spec_ngram.py, 2 Zen 1 cores,
+# fused int4: 1.86x at 1 stream, 0.62x to 0.94x at 16); wider steps also leave the fused step's
+# precise products (fused_decode.PRECISE_ROWS), so drafts stop where exactness is kept.
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,8 +33,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # vLLM's key: no drafts while more than this many sequences run (0: never disabled)
+    disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
+        d = self.disable_by_batch_size
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError("speculative_config: disable_by_batch_size must be an integer >= 0 "
+                             f"(0: never), got {d!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
                              f"got {self.method!r}")  # fmt: skip

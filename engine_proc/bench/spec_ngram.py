@@ -73,13 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of each setting")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="no drafts past this many running sequences (0: never; default: the "
+                    "engine's)")
+    ap.add_argument("--decode-step", default="fused", choices=("eager", "auto", "fused"),
+                    help="fused: the C++ decode step the app and serve use on a CPU (built now)")
+    ap.add_argument("--decode-weights", default="auto", choices=("auto", "dense", "int4"),
+                    help="auto: 4-bit on a CPU, as the app and serve start")
     ap.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     args = ap.parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=max(args.streams),
-                                    speculative_config=spec))  # fmt: skip
+                                    decode_step=args.decode_step,
+                                    decode_weights=args.decode_weights,
+                                    speculative_config=spec))
     print(f"model {engine.checkpoint_name} on {engine.device}, {args.tokens} tokens a stream, "
-          f"n-gram k={args.k}")
+          f"{spec}, decode step {args.decode_step}, weights {args.decode_weights}")
     run(engine, PROMPTS["free"], 1, 8, True)  # warm-up
     stats = engine.stats.spec_decode
     for name in args.prompts:

@@ -238,6 +238,9 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
         output (its grammar state would have to roll back with the rejected drafts). Penalties,
         logit_bias, logprobs, seeds and n > 1 (after the fork) speculate exactly."""
         assert self.proposer is not None
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit and len(self.scheduler.running) > limit:
+            return []  # a wide batch: drafts cost more than they save (config.py)
         if not seq.params.speculative or seq.params.structured is not None:
             return []
         return self.proposer.propose(seq.token_ids, k)

@@ -19,7 +19,7 @@ from engine_proc.core.kv_cache_manager import block_hash, root_hash
 from tests.tiny_models import tiny_model_dir
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}  # fmt: skip
+        "prompt_lookup_min": 1, "disable_by_batch_size": 0}  # fmt: skip (0: any batch drafts)
 ALPHABET = {500: 100.0, 501: 100.0, 502: 100.0}
 PROMPTS = [
     [500, 501, 502, 500, 500] * 4,
@@ -244,3 +244,21 @@ def test_greedy_matches_transformers(engines, tiny_path) -> None:
         assert g.token_ids == out[0, len(prompt) :].tolist()
     drafted2, accepted2 = spec_counts(spec)
     assert accepted2 > accepted and drafted2 - drafted > accepted2 - accepted
+
+
+def test_a_wide_batch_proposes_no_drafts(tiny_path):
+    """vLLM's disable_by_batch_size: with more sequences running than it allows, no drafts;
+    alone, the same request drafts. The tokens are the plain engine's either way."""
+    spec = SPEC | {"disable_by_batch_size": 1}
+    engine = LLMEngine(EngineConfig(model=str(tiny_path), speculative_config=spec,
+                                    num_kv_blocks=256, block_size=4))
+    plain = make(tiny_path, False)
+    params = [SamplingParams(logit_bias=ALPHABET, max_tokens=24, ignore_eos=True)] * 2
+    stats = engine.stats.spec_decode
+    together = run(engine, PROMPTS[:2], params)
+    assert stats.num_drafts == 0  # two running, one allowed: none proposed
+    alone = run(engine, PROMPTS[:1], params[:1])
+    assert stats.num_drafts > 0
+    assert [o.token_ids for o in together] == [o.token_ids for o in run(plain, PROMPTS[:2],
+                                                                          params)]
+    assert alone[0].token_ids == run(plain, PROMPTS[:1], params[:1])[0].token_ids

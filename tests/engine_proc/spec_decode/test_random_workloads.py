@@ -14,7 +14,7 @@ from engine_proc import SamplingParams
 from tests.engine_fixtures import tiny_engine
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}  # fmt: skip
+        "prompt_lookup_min": 1, "disable_by_batch_size": 0}  # fmt: skip (0: any batch drafts)
 
 
 def check_blocks(engine) -> None:
