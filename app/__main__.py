@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("spawned engine")
     g.add_argument("--model", default=None,
                    help="GGUF file, HF directory or a name `kvscope models` lists")  # fmt: skip
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a smaller model with the same tokenizer that proposes the drafts of "
+                   "speculative decoding (Engine → Speculative decoding; remembered)")  # fmt: skip
     g.add_argument("--dtype", default=None, choices=DTYPES)
     g.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -316,6 +319,7 @@ def _engine_options(args: argparse.Namespace, settings, ddir: Path | None = None
         **_kv_options(settings, ddir),
         kv_events_config=getattr(args, "kv_events_config", None),  # not remembered: per run
         speculative_tokens=_spec_tokens(settings),
+        draft_model=pick("draft_model", str),
         extra_args=shlex.split(args.engine_args),
     )
 

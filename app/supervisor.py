@@ -60,6 +60,8 @@ class EngineOptions:
     kv_events_config: str | None = None
     # n-gram speculative decoding: draft tokens per step (Engine → Speculative decoding); 0 = off
     speculative_tokens: int = 0
+    # proposes the drafts instead of prompt lookup (a .gguf or an HF folder); None = n-gram
+    draft_model: str | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def to_args(self) -> list[str]:
@@ -78,8 +80,10 @@ class EngineOptions:
             if value is not None:
                 args += [flag, str(value)]
         if self.speculative_tokens:
+            proposer = ({"model": self.draft_model} if self.draft_model
+                        else {"method": "ngram"})  # fmt: skip
             args += ["--speculative-config", json.dumps(
-                {"method": "ngram", "num_speculative_tokens": self.speculative_tokens})]
+                proposer | {"num_speculative_tokens": self.speculative_tokens})]
         return args + list(self.extra_args)
 
 

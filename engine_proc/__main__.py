@@ -28,7 +28,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')  # fmt: skip
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                   '\'{"model": PATH, "num_speculative_tokens": 4}\'')  # fmt: skip
     add_kernel_arguments(p)
     p.add_argument("--log-level", default="WARNING")
 

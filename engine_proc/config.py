@@ -13,9 +13,9 @@ SUPPORTED_DECODE_STEPS = ("eager", "fused", "auto")
 SUPPORTED_KV_TIER_POLICIES = ("write_back", "write_through")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")
 DEFAULT_KV_DISK_BYTES = 4 * 1024**3
-SPECULATIVE_METHODS = ("ngram",)
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                     "disable_by_batch_size")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
+                     "prompt_lookup_min", "disable_by_batch_size")
 # Past this many running sequences a decode step is bound by compute, not by reading the
 # weights, and drafts cost more than they save (engine_proc/bench/spec_ngram.py, 2 Zen 1 cores,
 # fused int4: 1.86x at 1 stream, 0.62x to 0.94x at 16); wider steps also leave the fused step's
@@ -27,7 +27,9 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 4
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's JSON shape. "ngram" (prompt lookup): the drafts are the
     tokens that followed the latest earlier occurrence of the sequence's last n tokens
-    (engine_proc/spec_decode/ngram.py), n from prompt_lookup_max down to prompt_lookup_min."""
+    (engine_proc/spec_decode/ngram.py), n from prompt_lookup_max down to prompt_lookup_min.
+    "draft_model" (implied by a "model" key): a smaller model with the same tokenizer runs
+    ahead greedily (engine_proc/spec_decode/draft_model.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -35,6 +37,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # vLLM's key: no drafts while more than this many sequences run (0: never disabled)
     disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # the draft model's path (a GGUF file or an HF directory)
 
     def __post_init__(self) -> None:
         d = self.disable_by_batch_size
@@ -44,6 +47,13 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
                              f"got {self.method!r}")  # fmt: skip
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method 'draft_model' needs a 'model' (the "
+                             "draft model's path) and 'ngram' takes none; got method "
+                             f"{self.method!r} with model {self.model!r}")  # fmt: skip
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError("speculative_config: model must be a path (a GGUF file or an HF "
+                             f"model directory), got {self.model!r}")  # fmt: skip
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
@@ -67,15 +77,15 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
             raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-    if "model" in value:
-        raise ValueError("speculative_config: draft models ('model') are not built yet; use "
-                         "{\"method\": \"ngram\", ...} (prompt lookup)")  # fmt: skip
     unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
     if unknown:
         raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; allowed keys are "
                          f"{_SPECULATIVE_KEYS}")  # fmt: skip
     if "method" not in value:
-        raise ValueError(f"speculative_config: method is required, one of {SPECULATIVE_METHODS}")
+        if "model" not in value:
+            raise ValueError("speculative_config: 'method' (one of "
+                             f"{SPECULATIVE_METHODS}) or a draft 'model' is required")  # fmt: skip
+        value = {**value, "method": "draft_model"}  # vLLM infers it from the model too
     return SpeculativeConfig(**value)
 
 

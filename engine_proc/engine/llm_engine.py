@@ -20,7 +20,7 @@ from engine_proc.attention.kv_fp8 import calibrate_fp8_scales, calibration_token
 from engine_proc.attention.kv_quant import SCALE_DTYPE as KV_SCALE_DTYPE
 from engine_proc.attention.kv_quant import kv_bytes_per_token, resolve_kv_cache_dtype
 from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
-from engine_proc.config import EngineConfig, SpeculativeConfig
+from engine_proc.config import EngineConfig
 from engine_proc.core.kv_cache_manager import KVCacheManager, root_hash
 from engine_proc.core.kv_groups import KVLayout
 from engine_proc.core.kv_sizing import block_bytes, engine_layout, pool_blocks
@@ -29,6 +29,7 @@ from engine_proc.core.scheduler import Scheduler, SchedulerLimits
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.engine.control import LiveControl
 from engine_proc.engine.metrics import RequestHistograms
+from engine_proc.engine.speculation import Speculation, longrope_original
 from engine_proc.engine.step_outputs import StepOutputs
 from engine_proc.engine.telemetry import EngineStats
 from engine_proc.engine.telemetry_types import StepStats
@@ -42,7 +43,6 @@ from engine_proc.models.config import ModelConfig
 from engine_proc.models.llama import LlamaModel, int4_unsupported_reason
 from engine_proc.outputs import RequestMetrics, RequestOutput
 from engine_proc.sampling_params import SamplingParams
-from engine_proc.spec_decode.ngram import NgramProposer
 from engine_proc.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -51,15 +51,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 
-def longrope_original(config: ModelConfig) -> int | None:
-    """LongRoPE's original_max_position_embeddings (Phi-3), past which a sequence rotates with
-    the long factors; None for other rotary embeddings."""
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type") != "longrope":
-        return None
-    return int(scaling["original_max_position_embeddings"])
-
-class LLMEngine(Tokenization, StepOutputs, LiveControl):
+class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation):
     def __init__(
         self,
         config: EngineConfig,
@@ -213,38 +205,6 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
             self.backend.name,
         )
 
-    def _speculation(self, config: EngineConfig) -> NgramProposer | None:
-        spec = config.speculative_config
-        if spec is None:
-            return None
-        assert isinstance(spec, SpeculativeConfig)
-        # Not built yet: rolling back the drafts' K/V in a hybrid cache's sliding groups, and
-        # drafts that cross LongRoPE's switch to the long factors.
-        lacks = [what for present, what in (
-            (self.kv_layout.is_hybrid, "a hybrid KV cache (sliding-window groups)"),
-            (longrope_original(self.model_config) is not None, "LongRoPE"),
-        ) if present]  # fmt: skip
-        if lacks:
-            logger.warning("speculative decoding is off: %s has %s",
-                           self.model_config.architecture, " and ".join(lacks))  # fmt: skip
-            return None
-        logger.info("speculative decoding: %s", spec)
-        return NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
-        )
-
-    def _propose(self, seq: Sequence, k: int) -> list[int]:
-        """Drafts for seq, or [] where it may not speculate: its own opt-out, and structured
-        output (its grammar state would have to roll back with the rejected drafts). Penalties,
-        logit_bias, logprobs, seeds and n > 1 (after the fork) speculate exactly."""
-        assert self.proposer is not None
-        limit = self.config.speculative_config.disable_by_batch_size
-        if limit and len(self.scheduler.running) > limit:
-            return []  # a wide batch: drafts cost more than they save (config.py)
-        if not seq.params.speculative or seq.params.structured is not None:
-            return []
-        return self.proposer.propose(seq.token_ids, k)
-
     def _capture_decode_graphs(self, progress: Callable[[float, str], None] | None) -> None:
         if progress is not None:
             progress(0.99, "capturing decode CUDA graphs")
@@ -393,6 +353,8 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl):
     def step(self) -> list[RequestOutput]:
         if self.structured.parked:
             self._admit_structured()
+        if self.proposer is not None:
+            self._prepare_drafts()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
         self.stats.prefix_cache_queries += batch.prefix_cache_queries

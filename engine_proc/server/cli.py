@@ -65,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         metavar="JSON",
-        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+        help='speculative decoding, vLLM\'s shape: prompt lookup \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or a '
+        'draft model with the same tokenizer \'{"model": PATH, "num_speculative_tokens": 4}\'',
     )
     g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # "module:callable"
     s = parser.add_argument_group("serving")

@@ -6,6 +6,7 @@ with."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QMenu
@@ -54,11 +55,11 @@ KV_DISK_CHOICES = (
 )
 SPEC_CHOICES = (
     (0, "Off", "one token per step per reply"),
-    (2, "n-gram, 2 draft tokens", "propose the 2 tokens that followed the last match of the "
-     "reply's recent tokens in its prompt or output, verified in one forward pass: exact"),
-    (4, "n-gram, 4 draft tokens", "as above with 4: more to gain where replies repeat their "
-     "input (summaries, edits of code), the same cost where they do not"),
-    (8, "n-gram, 8 draft tokens", "as above with 8"),
+    (2, "2 draft tokens", "propose 2 tokens (by prompt lookup, or from the draft model), "
+     "verified in one forward pass of the model: exact"),
+    (4, "4 draft tokens", "as above with 4: more to gain where drafts are often right "
+     "(replies that repeat their input, a good draft model)"),
+    (8, "8 draft tokens", "as above with 8"),
 )
 assert tuple(c[0] for c in SPEC_CHOICES) == SPECULATIVE_TOKEN_CHOICES
 KV_HOST_TIP = ("prefix blocks evicted from the KV pool are kept in this much host memory and "
@@ -190,7 +191,64 @@ class EngineOptionMenus:
         actions = self._radio_group(spec, SPEC_CHOICES, self.w.set_speculative_tokens)
         actions[self.w.source.options.speculative_tokens or 0].setChecked(True)
         self.spec_actions = actions
+        self._add_proposer_actions(spec)
         return spec, actions
+
+    def _add_proposer_actions(self, spec: QMenu) -> None:
+        w = self.w
+        spec.addSeparator()
+        group = QActionGroup(w)
+        ngram = self.ngram_action = QAction("Prompt lookup (n-gram)", w, checkable=True)
+        ngram.setToolTip("drafts are the tokens that followed the last match of the reply's "
+                         "recent tokens in its prompt or output: no second model")
+        draft = self.draft_action = QAction("Draft model…", w, checkable=True)
+        draft.setToolTip("a smaller model with the same tokenizer proposes the drafts "
+                         "(e.g. a 135M model of the chat model's family)")
+        for action in (ngram, draft):
+            group.addAction(action)
+            spec.addAction(action)
+        ngram.triggered.connect(lambda: self.set_draft_model(None))
+        draft.triggered.connect(self.choose_draft_model)
+        self.draft_dialog = None
+        self._sync_proposer()
+
+    def choose_draft_model(self) -> None:
+        """The Models dialog, its button a choice of draft model instead of a load."""
+        from ui.models.dialog import ModelsDialog
+
+        w = self.w
+        o = w.source.options
+        dialog = self.draft_dialog = ModelsDialog(w.settings, w, o.kv_cache_dtype or "auto",
+                                                  o.dtype or "float32", o.draft_model)  # fmt: skip
+        dialog.setWindowTitle("Draft model")
+        dialog.load_button.setText("Use as draft model")
+        dialog.load_requested.connect(self.set_draft_model)
+        dialog.rejected.connect(self.sync_option_menus)
+        dialog.show()
+        dialog.refresh()
+
+    def set_draft_model(self, chosen: str | None) -> None:
+        """Propose with the model at `chosen` (a .gguf or an HF folder), or by prompt lookup
+        (None); speculation that was off turns on at 4 draft tokens."""
+        from ui.window.models_menu import model_path
+
+        path = None if chosen is None else model_path(chosen)  # ValueError: not a model
+        changes: dict[str, object] = {"draft_model": path}
+        persist: dict[str, object] = {"engine/draft_model": path or ""}
+        note = ""
+        if path is not None and not self.w.source.options.speculative_tokens:
+            changes["speculative_tokens"] = 4
+            persist["engine/speculative_tokens"] = 4
+            note = "speculative decoding turned on with 4 draft tokens"
+        self.change_options("the draft model", changes, persist, note)
+
+    def _sync_proposer(self) -> None:
+        if not hasattr(self, "draft_action"):
+            return
+        path = self.w.source.options.draft_model
+        self.draft_action.setText(f"Draft model: {Path(path).name}…" if path
+                                  else "Draft model…")  # fmt: skip
+        (self.draft_action if path else self.ngram_action).setChecked(True)
 
     def set_speculative_tokens(self, k: int) -> None:
         if k not in SPECULATIVE_TOKEN_CHOICES:
@@ -240,6 +298,7 @@ class EngineOptionMenus:
         spec = getattr(self, "spec_actions", {}).get(w.source.options.speculative_tokens or 0)
         if spec is not None:
             spec.setChecked(True)
+        self._sync_proposer()
         for key, value in self.kv_choice().items():
             action = self.kv_actions.get(key, {}).get(value)
             if action is not None:

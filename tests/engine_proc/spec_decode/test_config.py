@@ -18,17 +18,23 @@ def test_parses_vllm_json_and_dicts() -> None:
         SpeculativeConfig()
     )
     assert EngineConfig().speculative_config is None
+    draft = EngineConfig(speculative_config={"model": "/m", "num_speculative_tokens": 2})
+    assert draft.speculative_config == SpeculativeConfig(
+        "draft_model", 2, model="/m"
+    )  # vLLM's shape: the method follows from the model
 
 
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ({"model": "/m", "num_speculative_tokens": 2}, "draft models ('model') are not built"),
-        ({"method": "eagle"}, "method must be one of ('ngram',)"),
+        ({"method": "eagle"}, "method must be one of ('ngram', 'draft_model')"),
+        ({"method": "ngram", "model": "/m"}, "method 'draft_model' needs a 'model'"),
+        ({"method": "draft_model"}, "method 'draft_model' needs a 'model'"),
+        ({"model": 3}, "model must be a path"),
         ({"method": "ngram", "lookahead": 1}, "unknown key 'lookahead'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"method": "ngram", "prompt_lookup_min": 5}, "prompt_lookup_min (5) must be <="),
-        ({"num_speculative_tokens": 2}, "method is required"),
+        ({"num_speculative_tokens": 2}, "or a draft 'model' is required"),
         ("{not json", "not valid JSON"),
         ("[1]", "must be a JSON object"),
     ],

@@ -341,3 +341,49 @@ def test_speculative_decoding_menu_restarts_the_engine_and_replies_stay_the_same
                     and "--speculative-config" not in win.supervisor.command, timeout=180_000)
     with pytest.raises(ValueError, match="speculative tokens must be one of"):
         win.set_speculative_tokens(3)
+
+
+def test_a_draft_model_from_the_menu_proposes_and_replies_stay_the_same(win, qtbot, tmp_path):
+    """*Speculative decoding → Draft model…*: the Models dialog picks the draft (its button says
+    so), the engine restarts with vLLM's {"model": PATH, ...}, a greedy reply is the plain one,
+    and the draft (a copy of the chat model: same tokenizer) has most drafts accepted."""
+    import subprocess
+    import sys
+
+    draft = tmp_path / "draft"
+    subprocess.run([sys.executable, "-c", "import shutil, sys; from tests.tiny_models import "
+                    "tiny_model_dir; shutil.copytree(tiny_model_dir('llama'), sys.argv[1])",
+                    str(draft)], check=True, capture_output=True)  # this process has no torch
+    menus = win.option_menus
+    assert menus.ngram_action.isChecked() and menus.draft_action.text() == "Draft model…"
+    prompt = "Name three colours."
+    _greedy(win, 40)
+    _send(win, prompt)
+    plain = win.chat.current
+    qtbot.waitUntil(lambda: not win.chat.busy(plain.id), timeout=60_000)
+    menus.choose_draft_model()
+    dialog = menus.draft_dialog
+    assert dialog.load_button.text() == "Use as draft model"
+    dialog.load_requested.emit(str(draft / "config.json"))  # what *Use* sends for a row
+    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
+                    and "--speculative-config" in win.supervisor.command, timeout=180_000)
+    i = win.supervisor.command.index("--speculative-config")
+    assert json.loads(win.supervisor.command[i + 1]) == {"model": str(draft),
+                                                         "num_speculative_tokens": 4}
+    assert win.settings.value("engine/draft_model") == str(draft)
+    assert menus.draft_action.isChecked() and menus.draft_action.text() == "Draft model: draft…"
+    _greedy(win, 40)
+    _send(win, prompt)
+    spec = win.chat.current
+    qtbot.waitUntil(lambda: not win.chat.busy(spec.id), timeout=60_000)
+    assert spec.messages[-1].content == plain.messages[-1].content
+    counters = win.history.latest.counters
+    assert counters["spec_decode_num_accepted_tokens"] >= 0.9 * counters[
+        "spec_decode_num_draft_tokens"] > 0  # fmt: skip
+    win.set_speculative_tokens(0)  # back, for whatever runs next in this module
+    menus.set_draft_model(None)
+    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
+                    and "--speculative-config" not in win.supervisor.command, timeout=180_000)
+    assert menus.ngram_action.isChecked()
+    with pytest.raises(ValueError, match="neither a .gguf file nor a folder"):
+        menus.set_draft_model(str(tmp_path / "nothing-here"))
