@@ -98,7 +98,7 @@ def format_spec_table(rows: list[SpecRow]) -> str:
             "-" if r.acceptance is None else f"{r.acceptance:.0%}",
             "-" if r.exact is None else ("same" if r.exact else "DIFFERS"), r.target,
             "" if r.passed is None else ("PASS" if r.passed else "MISS")))
-    notes = sorted({f"  n/a at {r.workload}-{r.streams}: {r.peer_na}" for r in rows if r.peer_na})
+    notes = sorted({f"  {r.workload}-{r.streams}: {r.peer_na}" for r in rows if r.peer_na})
     return "\n".join([_columns(head, body), *notes])
 
 

@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "`kv-int8` = kv-capacity,kv-decode-4k (default: all)")
     ap.add_argument("--systems", default="kvscope,hf,llamacpp",
                     help="which of kvscope,hf,llamacpp to run (the kvscope variants, "
-                    "kvscope-zmq and kvscope-http included, follow kvscope)")
+                    "kvscope-zmq, kvscope-http and kvscope-spec included, follow kvscope; "
+                    "llamacpp-lookup follows llamacpp)")
     ap.add_argument("--disaggregation", action="store_true",
                     help="also run interference and mixed on one colocated engine vs a prefill "
                     "and a decode engine (the cores split between them), same client")

@@ -155,7 +155,7 @@ def test_the_table_ratios_and_targets_by_hand() -> None:
                                      "2.50x", "1.25x", "1.33x", "60%"]
     assert table[2].split()[11:] == ["same", ">=", "2x", "kvscope", "PASS"]
     assert table[5].split()[6:10] == ["n/a", "0.97x", "n/a", "n/a"] and table[5].endswith("MISS")
-    assert table[-1] == f"  n/a at spec-ngram-16: {NO_BATCHED_LOOKUP}"
+    assert table[-1] == f"  spec-ngram-16: {NO_BATCHED_LOOKUP}"
     draft = build_spec_rows({"spec-draft-1": _level(40.0, 60.0, 60.0, None)}, {})
     assert [r.kind for r in draft] == ["all", "quote", "edit-code", "free"]
     assert draft[0].peer_na == NO_DRAFT_PEER and draft[0].target == ""
