@@ -10,8 +10,10 @@ the batched C API that the llamacpp system drives (engine_proc/bench/llamacpp.py
 speculation. Greedy (temp 0, no repeat penalty); a request ends at max_tokens or, when its
 `ignore_eos` is false (the spec workloads), at an end-of-generation token (generate() itself
 never stops). Token times are stamped as generate() yields them (accepted drafts come out
-together). The same GGUF as every other system; flash attention is the high-level API's default
-(off), where the batched llamacpp system leaves it to llama.cpp ("auto").
+together). The same GGUF as every other system, and the same flash attention as the llamacpp
+system (--llamacpp-flash-attn): the high-level API has only on or off, and llama.cpp's "auto"
+turns it on on a CPU (with it, the two give the same greedy tokens on the tiny test model; with
+the high-level default, off, a near-tie fell the other way).
 """
 
 from __future__ import annotations
@@ -74,12 +76,13 @@ def run_llamacpp_lookup(workload: dict, args: argparse.Namespace) -> dict:
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     lookup = dict(workload.get("meta", {}).get("lookup") or DEFAULT_LOOKUP)
     threads = args.threads or os.cpu_count() or 1
+    flash_attn = getattr(args, "llamacpp_flash_attn", "auto") != "off"
     # One sequence: the longest request plus a round of drafts past its end.
     longest = max(len(r.prompt) + r.max_tokens for r in reqs) + lookup["num_pred_tokens"] + 1
     n_ctx = -(-longest // CTX_PAD) * CTX_PAD
     t_load = time.monotonic()
     llm = Llama(model_path=str(model_path(args.model)), n_ctx=n_ctx, n_batch=min(N_BATCH, n_ctx),
-                n_threads=threads, n_threads_batch=threads, verbose=False,
+                n_threads=threads, n_threads_batch=threads, verbose=False, flash_attn=flash_attn,
                 draft_model=LlamaPromptLookupDecoding(**lookup))
     try:
         load_s = time.monotonic() - t_load
@@ -93,6 +96,7 @@ def run_llamacpp_lookup(workload: dict, args: argparse.Namespace) -> dict:
     result.update({"load_s": load_s, "prefix_hit_rate": None,
                    "llamacpp": {"api": "llama_cpp.Llama.generate + LlamaPromptLookupDecoding",
                                 "lookup": lookup, "n_ctx": n_ctx, "n_threads": threads,
+                                "flash_attn": flash_attn,
                                 "version": _version()},
                    "requests": request_results(reqs, t0)})
     return result

@@ -84,7 +84,8 @@ def test_lookup_serves_one_sequence_at_a_time() -> None:
 
 @needs_llama_cpp
 @pytest.mark.slow
-def test_lookup_decoding_gives_the_plain_greedy_tokens() -> None:
+@pytest.mark.parametrize("flash_attn", ["auto", "off"])
+def test_lookup_decoding_gives_the_plain_greedy_tokens(flash_attn: str) -> None:
     """llama.cpp's prompt lookup on the tiny GGUF: the same tokens as the batched runner
     without speculation (both greedy), ending at EOS or max_tokens."""
     from engine_proc.bench.llamacpp import run_llamacpp
@@ -98,9 +99,11 @@ def test_lookup_decoding_gives_the_plain_greedy_tokens() -> None:
              "after": {"request": "quote-0", "tokens": -1}}]
     workload = {"requests": reqs, "meta": {"lookup": {"max_ngram_size": 4,
                                                       "num_pred_tokens": 4}}}
-    lookup = run_llamacpp_lookup(workload, SimpleNamespace(model=path, threads=1))
+    lookup = run_llamacpp_lookup(workload, SimpleNamespace(model=path, threads=1,
+                                                           llamacpp_flash_attn=flash_attn))
     plain = run_llamacpp(workload, SimpleNamespace(model=path, threads=1, llamacpp_kv="split",
-                                                   llamacpp_flash_attn="off"))
+                                                   llamacpp_flash_attn=flash_attn))
     for a, b in zip(lookup["requests"], plain["requests"], strict=True):
         assert a["token_ids"] == b["token_ids"] and 1 <= len(a["token_ids"]) <= 24
     assert lookup["llamacpp"]["lookup"] == {"max_ngram_size": 4, "num_pred_tokens": 4}
+    assert lookup["llamacpp"]["flash_attn"] is (flash_attn != "off")
