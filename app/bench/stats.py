@@ -8,6 +8,7 @@ import statistics
 from typing import Any
 
 from app.bench.kv_stats import summarize_kv
+from app.bench.spec_stats import summarize_spec
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -144,6 +145,7 @@ def summarize_workload(name: str, runs: list[dict], workload: dict) -> dict:
         if steps:
             s["decode_step"] = ",".join(sorted(steps))
     s.update(summarize_kv(name, ok, workload))
+    s.update(summarize_spec(name, ok, workload))
     kv = [r["kv"] for r in ok if r.get("kv") and r["kv"].get("paged_token_occupancy")]
     block = (ok[0].get("engine_config") or {}).get("block_size")
     if kv and block:

@@ -7,6 +7,14 @@ and its HTTP front-end against its ZeroMQ protocol.
     python -m app.bench --workloads streams    # decode tok/s at 1, 4, 16, 64 concurrent streams
     python -m app.bench --workloads tiered,restart,kv-int8 --repeats 1   # KV tiers, int8 KV
     python -m app.bench --workloads tiered,restart --long    # the 2,000-token tier workloads
+    python -m app.bench --workloads spec-ngram --repeats 1   # n-gram speculation vs none, 1 and 16
+    python -m app.bench --workloads spec-draft --draft-model draft.gguf   # draft-model speculation
+
+spec-ngram-N (N = 1, 16): chat prompts whose answer repeats the input (quote a document, edit
+code), greedy: kvscope without speculation, kvscope-spec (n-gram prompt lookup), llama.cpp and
+llama.cpp-lookup (llama-cpp-python's LlamaPromptLookupDecoding, 1 stream only); decode tok/s,
+ratios, acceptance and whether the speculating texts equal kvscope's (app/bench/spec_*.py).
+spec-draft-N: the same with kvscope-spec on `--draft-model` (skipped without one).
 
 Workloads are built from a seed (app/bench/workloads.py: token ids drawn from the model's
 ordinary vocabulary, output lengths, arrival times) and written as JSON; each (system, workload,
@@ -40,6 +48,9 @@ from app.bench.clients import CLIENT_SYSTEMS
 from app.bench.disagg_table import DISAGG_SYSTEMS, DISAGG_WORKLOADS, disagg_rows, disagg_summary
 from app.bench.kv_table import build_kv_rows
 from app.bench.plots import NO_PLOTS, write_plots
+from app.bench.spec_stats import exactness
+from app.bench.spec_table import build_spec_rows, format_spec_table, spec_header
+from app.bench.spec_workloads import NEEDS_DRAFT, spec_level
 from app.bench.stats import summarize_workload
 from app.bench.table import build_rows, build_streams_rows, format_streams_table, format_table
 from app.bench.workloads import (
@@ -113,10 +124,13 @@ def run_worker(system: str, workload_path: Path | None, args: argparse.Namespace
     except subprocess.TimeoutExpired:
         return {"system": system, "error": f"timed out after {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    said = json.loads(lines[-1]) if lines else {}
+    if proc.returncode != 0 and "error" in said:  # the worker's own reason (a ValueError)
+        return {"system": system, "error": said["error"]}
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or "").strip().splitlines()[-5:]
         return {"system": system, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
-    result = json.loads(lines[-1])
+    result = said
     result["spawn_s"] = time.monotonic() - start
     return result
 
@@ -155,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "`kv-int8` = kv-capacity,kv-decode-4k (default: all)")
     ap.add_argument("--systems", default="kvscope,hf,llamacpp",
                     help="which of kvscope,hf,llamacpp to run (the kvscope variants, "
-                    "kvscope-zmq and kvscope-http included, follow kvscope)")
+                    "kvscope-zmq, kvscope-http and kvscope-spec included, follow kvscope; "
+                    "llamacpp-lookup follows llamacpp)")
     ap.add_argument("--disaggregation", action="store_true",
                     help="also run interference and mixed on one colocated engine vs a prefill "
                     "and a decode engine (the cores split between them), same client")
@@ -165,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the fused decode step)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft model of the spec-draft workloads (kvscope-spec's "
+                    "speculative_config model); without it they are skipped")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for every system (default: all cores when the machine "
@@ -227,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args.hf_batch = sizes.hf_batch
     # Paths as the caller meant them, whatever directory a worker runs in.
     args.model, args.cache_dir = absolute(args.model), absolute(args.cache_dir)
+    args.draft_model = absolute(args.draft_model)
     repeats = args.repeats or (1 if args.quick else 3)
     args.threads = resolve_threads(args.threads)
     timeout = args.timeout or (600.0 if args.quick else 7200.0)
@@ -246,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("[ceilings] read %.1f GB/s, fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s; %s, %.1fM params",
              ceilings["read_bw_gbs"], ceilings["fp32_matmul_gflops"],
              ceilings["bf16_matmul_gflops"], model["name"], model["num_params"] / 1e6)
-    vocab = Vocab(model["vocab_size"], model["special_ids"])
+    vocab = Vocab(model["vocab_size"], model["special_ids"], model.get("chat_prompts"))
     wl_defs, wl_paths = {}, {}
     for w in workloads:
-        wl_defs[w] = make_workload(w, sizes, args.seed, vocab)
+        wl_defs[w] = make_workload(w, sizes, args.seed, vocab, args.draft_model)
         wl_paths[w] = out / "workloads" / f"{w}.json"
         wl_paths[w].write_text(json.dumps(wl_defs[w]))
 
@@ -264,10 +283,12 @@ def main(argv: list[str] | None = None) -> int:
                 done += 1
                 log.info("[%d/%d] %s: %s (repeat %d/%d) ...", done, total, w, system,
                          rep + 1, repeats)
-                if system == "llamacpp" and not llamacpp_installed():
+                if system.startswith("llamacpp") and not llamacpp_installed():
                     # What the worker would say, without paying for a process start.
                     result = {"system": system, "skipped": "llama-cpp-python is not installed "
                               "(pip install llama-cpp-python)"}
+                elif w.startswith("spec-draft") and not args.draft_model:
+                    result = {"system": system, "skipped": NEEDS_DRAFT}
                 else:
                     result = run_worker(system, wl_paths[w], args, timeout)
                 runs[w].setdefault(system, []).append(result)
@@ -280,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                 summary[w][system].update(disagg_summary(by[system]))
     rows = build_rows(summary, ceilings) + build_kv_rows(summary) + disagg_rows(summary)
     streams_rows = build_streams_rows(summary)
+    spec_exact = {w: exactness(by) for w, by in runs.items() if spec_level(w)}
+    spec_rows = build_spec_rows(summary, spec_exact)
     header = (f"KVScope bench ({size}, {repeats} repeat(s), "
               f"{args.threads} thread(s), {args.dtype}, {model['name']}, hf static batch "
               f"{sizes.hf_batch}, interference chunk {sizes.interf_chunk}); ratio = kvscope "
@@ -291,18 +314,23 @@ def main(argv: list[str] | None = None) -> int:
         text.append(format_table(rows))
     if streams_rows:
         text += ["", _streams_header(summary, sizes), format_streams_table(streams_rows)]
+    if spec_rows:
+        text += ["", spec_header(sizes.spec_new), format_spec_table(spec_rows)]
     print("\n".join(text))
     skipped = {f"{w}/{s}": r[0].get("skipped") or r[0].get("error")
                for w, by in runs.items() for s, r in by.items()
                if r and ("skipped" in r[0] or "error" in r[0])}
     for key, why in skipped.items():
-        print(f"  {key}: {why}")
+        if not str(why).startswith("n/a:"):  # by design, and the table's notes say why
+            print(f"  {key}: {why}")
     report = {"config": {"quick": args.quick, "long": args.long, "repeats": repeats,
                          "threads": args.threads,
                          "dtype": args.dtype, "seed": args.seed, "model": args.model,
+                         "draft_model": args.draft_model,
                          "workloads": workloads, "sizes": asdict(sizes)},
               "ceilings": ceilings, "summary": summary, "rows": [asdict(r) for r in rows],
               "streams_rows": [asdict(r) for r in streams_rows],
+              "spec_rows": [asdict(r) for r in spec_rows], "spec_exact": spec_exact,
               "runs": runs, "elapsed_s": time.monotonic() - started}
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     (out / "table.txt").write_text("\n".join(text) + "\n")

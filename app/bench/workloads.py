@@ -12,13 +12,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.bench.kv_workloads import KV_BUILDERS, KV_GROUPS, KV_WORKLOAD_SYSTEMS, KV_WORKLOADS
+from app.bench.spec_workloads import (
+    SPEC_LEVELS,
+    SPEC_WORKLOAD_SYSTEMS,
+    SPEC_WORKLOADS,
+    build_spec,
+    spec_group,
+    spec_level,
+)
 
 # N concurrent greedy streams, all arriving at once, for N in Sizes.streams_levels: one workload
 # per N (each its own fresh process per system, like every workload), `streams` names them all.
 STREAMS_LEVELS = (1, 4, 16, 64)
 STREAMS_WORKLOADS = tuple(f"streams-{n}" for n in STREAMS_LEVELS)
 WORKLOADS = ("single", "prefill", "mixed", "mixed-poisson", "shared-prefix", "interference",
-             "streaming", *STREAMS_WORKLOADS, *KV_WORKLOADS)
+             "streaming", *STREAMS_WORKLOADS, *KV_WORKLOADS, *SPEC_WORKLOADS)
 # Which systems each workload compares (llamacpp only where it is a like-for-like serving test).
 WORKLOAD_SYSTEMS = {
     "single": ("kvscope", "kvscope-int4", "hf", "llamacpp"),
@@ -32,6 +40,9 @@ WORKLOAD_SYSTEMS = {
     **{w: ("kvscope", "hf", "llamacpp") for w in STREAMS_WORKLOADS},
     # KVScope configurations only (app/bench/kv_workloads.py).
     **KV_WORKLOAD_SYSTEMS,
+    # Speculative decoding against none, and llama.cpp's own prompt lookup
+    # (app/bench/spec_workloads.py).
+    **SPEC_WORKLOAD_SYSTEMS,
 }
 # kvscope's decode weights in the streams workloads: what the app runs on a CPU by default
 # (`auto`: 4-bit copies for steps of at most 16 tokens where supported, else dense).
@@ -84,6 +95,9 @@ class Sizes:
     kv4k_prompt: int = 4064  # decode from 4,064 to 4,096 tokens of context
     kv4k_new: int = 32
     kv4k_memory: int = 256 * 2**20  # the engine's default pool bytes
+    # the spec-ngram-N / spec-draft-N workloads (app/bench/spec_workloads.py)
+    spec_levels: tuple[int, ...] = SPEC_LEVELS  # which N `--workloads spec-ngram` runs
+    spec_new: int = 128  # new tokens of every stream, greedy, EOS ignored
     hf_batch: int = 8
 
 
@@ -99,6 +113,7 @@ QUICK = Sizes(
     streams_levels=(1, 4, 16), streams_new=32,
     tiered_prompts=6, tiered_len=256, tiered_pool_prompts=2, tiered_requests=9,
     restart_prompts=1, restart_len=256, kvcap_seqs=24, kv4k_prompt=1008, kv4k_new=16,
+    spec_new=64,
     hf_batch=4,  # three static batches for twelve requests, like 64 requests in batches of 8
 )
 
@@ -110,16 +125,18 @@ def streams_level(name: str) -> int | None:
 
 
 def expand_workloads(names: list[str], sizes: Sizes) -> list[str]:
-    """`--workloads` names with `streams` replaced by the streams-N workloads of `sizes` and
-    `kv-int8` by the int8 KV workloads; raises ValueError naming unknown ones."""
+    """`--workloads` names with `streams` replaced by the streams-N workloads of `sizes`,
+    `spec-ngram` / `spec-draft` by their N workloads and `kv-int8` by the int8 KV workloads;
+    raises ValueError naming unknown ones."""
     out: list[str] = []
     for name in names:
         group = [f"streams-{n}" for n in sizes.streams_levels] if name == "streams" else [name]
-        group = list(KV_GROUPS.get(name, group))
+        group = spec_group(name, sizes.spec_levels) or list(KV_GROUPS.get(name, group))
         for w in group:
             if w not in WORKLOADS:
                 raise ValueError(f"unknown workload {w!r}; allowed: {', '.join(WORKLOADS)}, "
-                                 "streams (the streams-N workloads) and kv-int8 "
+                                 "streams (the streams-N workloads), spec-ngram and spec-draft "
+                                 "(their N workloads) and kv-int8 "
                                  f"({' '.join(KV_GROUPS['kv-int8'])})")
             if w not in out:
                 out.append(w)
@@ -127,17 +144,20 @@ def expand_workloads(names: list[str], sizes: Sizes) -> list[str]:
 
 
 def default_workloads(sizes: Sizes) -> list[str]:
-    """Every workload, the streams-N ones at the levels of `sizes`."""
-    return expand_workloads([w for w in WORKLOADS if streams_level(w) is None] + ["streams"],
-                            sizes)
+    """Every workload, the streams-N and spec ones at the levels of `sizes`."""
+    plain = [w for w in WORKLOADS if streams_level(w) is None and spec_level(w) is None]
+    return expand_workloads(plain + ["streams", "spec-ngram", "spec-draft"], sizes)
 
 
 class Vocab:
-    """Ordinary token ids: [0, vocab_size) without the special / added ones."""
+    """Ordinary token ids: [0, vocab_size) without the special / added ones; and the token ids
+    of the real chat prompts (`prompts`, by kind) the spec workloads serve."""
 
-    def __init__(self, vocab_size: int, special_ids: list[int]) -> None:
+    def __init__(self, vocab_size: int, special_ids: list[int],
+                 prompts: dict[str, list[int]] | None = None) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.prompts = dict(prompts or {})
         self.special = set(special_ids)
         self.low = max(self.special) + 1 if self.special else 0
         self.size = vocab_size
@@ -155,8 +175,10 @@ def _request(rid: str, prompt: list[int], max_tokens: int, **when: Any) -> dict:
     return {"id": rid, "prompt": prompt, "max_tokens": max_tokens, **when}
 
 
-def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab) -> dict:
-    """The workload `name` as the JSON the worker reads; same inputs, same output."""
+def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab,
+                  draft_model: str | None = None) -> dict:
+    """The workload `name` as the JSON the worker reads; same inputs, same output.
+    `draft_model`: the draft model path of the spec-draft workloads."""
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}")
     # One stream per workload name, so changing one workload's sizes leaves the others alone.
@@ -210,6 +232,8 @@ def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab) -> dict:
         hf_batch = n  # transformers serves all N in one static batch (no padding: same length)
     elif name in KV_BUILDERS:
         reqs, engine, meta = KV_BUILDERS[name](s, rng, vocab)
+    elif spec_level(name) is not None:  # real text, no draws from rng
+        reqs, engine, meta = build_spec(name, vocab.prompts, s.spec_new, draft_model)
     else:  # streaming
         reqs = [_request(f"s{i}", vocab.draw(rng, rng.randint(*s.streams_prompt)),
                          s.streams_out, arrival_s=0.0) for i in range(s.streams_n)]

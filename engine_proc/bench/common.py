@@ -28,6 +28,9 @@ class Req:
     after: dict | None  # {"request": id, "tokens": n}, n = -1: when that request finished
     temperature: float = 0.0  # 0 = greedy (every workload app.bench writes today)
     seed: int | None = None  # of a sampled request's random stream
+    # False: the request ends at the model's end-of-generation token, as a chat does (the spec
+    # workloads, whose answers end where the repetition ends); every other workload ignores it.
+    ignore_eos: bool = True
     issued: float | None = None  # absolute monotonic time the request entered the system
     token_times: list[float] = field(default_factory=list)  # absolute
     token_ids: list[int] | None = None  # when the runner sees them
@@ -68,7 +71,11 @@ def parse_workload(raw: dict) -> list[Req]:
         seed = r.get("seed")
         if seed is not None and not isinstance(seed, int):
             raise ValueError(f"workload.requests[{i}].seed must be an int")
-        out.append(Req(rid, prompt, max_tokens, arrival, after, float(temperature), seed))
+        ignore_eos = r.get("ignore_eos", True)
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"workload.requests[{i}].ignore_eos must be true or false")
+        out.append(Req(rid, prompt, max_tokens, arrival, after, float(temperature), seed,
+                       ignore_eos))
     return out
 
 

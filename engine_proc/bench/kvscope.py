@@ -9,6 +9,9 @@ Systems (each a KVScope configuration):
   `meta.tier_blocks` blocks (the disk tier in a temporary directory, removed afterwards; its
   files are dropped from the OS page cache whenever no request runs, so every disk hit is a
   device read); kvscope-kvint8: int8 KV cache.
+- kvscope-spec: speculative decoding with the workload's `meta.speculative_config` (the spec
+  workloads: n-gram prompt lookup, or a draft model); the run reports the engine's spec_decode
+  counters (drafted and accepted tokens) of the measured requests.
 
 A workload with `meta.prime` (restart) first serves those requests, shuts the engine down
 (flushing its cached blocks into the tiers), starts a fresh engine on the same disk directory and
@@ -47,7 +50,7 @@ from engine_proc.bench.serve import Occupancy, drop_page_cache, serve
 logger = logging.getLogger(__name__)
 
 SYSTEMS = ("kvscope", "kvscope-int4", "kvscope-nocache", "kvscope-nochunk", "kvscope-recompute",
-           "kvscope-host", "kvscope-disk", "kvscope-kvint8")
+           "kvscope-host", "kvscope-disk", "kvscope-kvint8", "kvscope-spec")
 TIER_SYSTEMS = ("kvscope-host", "kvscope-disk")
 # Room per block beyond its K/V bytes in a tier (a disk entry's header, an entry's scales).
 TIER_ENTRY_OVERHEAD = 4096
@@ -136,6 +139,12 @@ def engine_config_for(system: str, workload: dict, args: argparse.Namespace,
         kw["max_num_batched_tokens"] = max(kw.get("max_num_batched_tokens", 2048), longest + 256)
     elif system == "kvscope-kvint8":
         kw["kv_cache_dtype"] = "int8"
+    elif system == "kvscope-spec":
+        spec = workload.get("meta", {}).get("speculative_config")
+        if not spec:
+            raise ValueError("system 'kvscope-spec' needs workload.meta.speculative_config (the "
+                             "spec-ngram / spec-draft workloads)")
+        kw["speculative_config"] = spec
     block_bytes = kv_bytes_per_token * kw.get("block_size", 16)
     kw.update(tier_options(system, workload, block_bytes, disk_dir))
     return EngineConfig(**kw)
@@ -265,4 +274,11 @@ def _measure(engine: Any, reqs: list, load_s: float,
             "requests": request_results(reqs, t0),
         }
     )
+    if engine.config.speculative_config is not None:
+        # Drafts proposed and accepted in the measured run (the warm-up's are subtracted).
+        result["spec_decode"] = {
+            key: counters.get(f"spec_decode_{key}", 0) - base.get(f"spec_decode_{key}", 0)
+            for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        # False where the engine turned speculation off for this model (LLMEngine._speculation)
+        result["spec_decode"]["active"] = engine.proposer is not None
     return result

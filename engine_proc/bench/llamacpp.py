@@ -12,7 +12,8 @@ Run through `python -m engine_proc.bench.worker --system llamacpp`.
   for logits; then every running sequence feeds its last token in ONE llama_decode call (one
   token per sequence). Each sampled token is stamped when its call has returned and the token is
   picked: greedy (argmax of llama_get_logits_ith) unless the request asks for a temperature. EOS
-  is ignored, as for every system here: each request produces exactly max_tokens tokens.
+  is ignored, as for every system here: each request produces exactly max_tokens tokens (except a
+  request with `ignore_eos` false, which ends at an end-of-generation token, as in a chat).
 - A finished sequence's KV is dropped (llama_memory_seq_rm) and its id goes back to the pool.
 - KV layout, `kv`: "split" (default; llama.cpp's own for n_seq_max > 1, `llama-server -np N`
   without `-kvu`): one KV stream of n_ctx / n_seq_max cells per sequence, attention reads only its
@@ -141,7 +142,8 @@ class BatchedLlama:
             raise RuntimeError(f"llama.cpp gave each sequence {self.n_ctx_seq} cells, the "
                                f"longest request needs {plan.seq_len}")
         self.mem = lib.llama_get_memory(self.ctx)
-        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self.info = {"n_ctx": lib.llama_n_ctx(self.ctx), "n_ctx_seq": self.n_ctx_seq,
                      "n_seq_max": plan.n_seq, "n_batch": self.n_batch, "n_ubatch": N_UBATCH,
@@ -176,6 +178,10 @@ class BatchedLlama:
         if not ptr:
             raise RuntimeError(f"llama.cpp has no logits for batch index {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def is_eog(self, token: int) -> bool:
+        """Whether `token` ends generation (EOS, end of turn) for this model."""
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
     def drop(self, seq: int) -> None:
         self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
@@ -235,7 +241,7 @@ def serve(llm: BatchedLlama, reqs: list[Req], clock: Callable[[], float], t0: fl
         r.token_times.append(now)
         r.token_ids.append(token)
         r.num_out += 1
-        if r.num_out >= r.max_tokens:
+        if r.num_out >= r.max_tokens or (not r.ignore_eos and llm.is_eog(token)):
             r.finished = True
             running.pop(slot.seq, None)
             llm.drop(slot.seq)

@@ -89,7 +89,8 @@ def drop_page_cache(directory: str | Path) -> int:
 
 def serve(engine: Any, reqs: list[Req], occ: Occupancy,
           when_idle: Callable[[], object] | None = None) -> tuple[float, Served]:
-    """Run `reqs` to completion on `engine` (greedy or seeded, EOS ignored); returns the start
+    """Run `reqs` to completion on `engine` (greedy or seeded, EOS ignored unless a request
+    says otherwise); returns the start
     time the requests' arrivals are relative to, and step counts. `when_idle` runs whenever no
     request is active, before the next ones are issued (outside every request's TTFT)."""
     from engine_proc import SamplingParams
@@ -106,7 +107,7 @@ def serve(engine: Any, reqs: list[Req], occ: Occupancy,
             when_idle()
         for r in issuer.due(clock()):
             params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
-                                    seed=r.seed, ignore_eos=True)
+                                    seed=r.seed, ignore_eos=r.ignore_eos)
             engine.add_request(r.id, r.prompt, params)
             active[r.id] = r
         if not active:

@@ -6,44 +6,19 @@ where it has few. Decode tokens/s of the default model with speculation against 
 and 16 streams, in one run: one engine started with `--speculative-config`, the runs without it
 opting out per request (`SamplingParams.speculative=False`), interleaved. Greedy; the texts are
 checked equal (speculation is exact). Decode steps only: timing starts once every stream has its
-first token. Acceptance from the engine's spec_decode counters."""
+first token. Acceptance from the engine's spec_decode counters. The prompts live in
+engine_proc/bench/spec_prompts.py; `python -m app.bench --workloads spec-ngram` runs the same
+prompts across systems (llama.cpp and its prompt lookup too)."""
 
 from __future__ import annotations
 
 import argparse
 import time
 
+from engine_proc.bench.spec_prompts import PROMPTS
 from engine_proc.config import EngineConfig
 from engine_proc.engine.llm_engine import LLMEngine
 from engine_proc.sampling_params import SamplingParams
-
-DOCUMENT = (
-    "The paged KV cache stores the keys and values of every token in fixed-size blocks. A block "
-    "table maps each request's logical blocks to physical ones, so memory is allocated as a "
-    "reply grows instead of being reserved for the longest possible reply. Blocks whose tokens "
-    "form a common prefix are shared between requests through a hash of their contents, which "
-    "is what prefix caching means: the system prompt is computed once and reused.")
-CODE = '''def mean(values):
-    total = 0
-    for v in values:
-        total = total + v
-    return total / len(values)
-
-
-def variance(values):
-    m = mean(values)
-    total = 0
-    for v in values:
-        total = total + (v - m) * (v - m)
-    return total / len(values)
-'''
-PROMPTS = {
-    "quote": "Repeat the following text exactly, then say in one sentence what it is about.\n\n"
-             + DOCUMENT,
-    "edit-code": "Rewrite this Python code with type hints, keeping everything else the same.\n\n"
-                 + CODE,
-    "free": "Write a short story about a cat who learns to play the piano.",
-}
 
 
 def run(engine: LLMEngine, prompt: str, streams: int, tokens: int,

@@ -13,9 +13,11 @@ another's warm state or memory. Systems:
   serving loop: engine_proc/bench/serve.py).
 - hf: transformers `generate()` with static batching (engine_proc/bench/hf.py).
 - llamacpp: llama-cpp-python's batched C API when importable, else a `skipped` result with the
-  reason (engine_proc/bench/llamacpp.py).
+  reason (engine_proc/bench/llamacpp.py); llamacpp-lookup: its high-level Llama with prompt-lookup
+  decoding, one sequence at a time (engine_proc/bench/llamacpp_lookup.py).
 - ceilings: memory read bandwidth and fp32/bf16 matmul FLOP/s of this machine, plus the model's
-  parameter count and vocabulary (what app.bench needs to build workloads).
+  parameter count, vocabulary and the spec workloads' chat prompts as token ids (what app.bench
+  needs to build workloads).
 
 Workload JSON: {"name", "requests": [{"id", "prompt": [ids], "max_tokens",
 "arrival_s" | "after": {"request": id, "tokens": n (-1 = finished)}, optional "temperature",
@@ -45,11 +47,12 @@ from engine_proc.bench.common import peak_rss_mb
 from engine_proc.bench.kvscope import SYSTEMS as KVSCOPE_SYSTEMS
 from engine_proc.bench.kvscope import load_engine_checkpoint, run_kvscope
 from engine_proc.bench.llamacpp import FLASH_ATTN, KV_LAYOUTS
+from engine_proc.bench.spec_prompts import chat_prompt_ids
 from engine_proc.config import SUPPORTED_DTYPES
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = (*KVSCOPE_SYSTEMS, "hf", "llamacpp", "ceilings")
+SYSTEMS = (*KVSCOPE_SYSTEMS, "hf", "llamacpp", "llamacpp-lookup", "ceilings")
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,6 +121,9 @@ def model_facts(args: argparse.Namespace) -> dict:
         "vocab_size": ckpt.config.vocab_size,
         "special_ids": special,
         "eos_token_ids": list(ckpt.config.eos_token_ids),
+        # The spec workloads' real prompts under this model's chat template: app.bench cannot
+        # tokenize (it imports no transformers), and every system must get the same ids.
+        "chat_prompts": chat_prompt_ids(tok),
     }
 
 
@@ -178,6 +184,10 @@ def run(args: argparse.Namespace) -> dict:
         from engine_proc.bench.llamacpp import run_llamacpp
 
         return run_llamacpp(workload, args)
+    if args.system == "llamacpp-lookup":
+        from engine_proc.bench.llamacpp_lookup import run_llamacpp_lookup
+
+        return run_llamacpp_lookup(workload, args)
     if args.system == "hf":
         from engine_proc.bench.hf import run_hf
 
