@@ -58,6 +58,12 @@ class Sequence:
     # Speculative decoding: the drafts scheduled this step after the last token (their K/V is
     # computed with it, and kept only for those the target model confirms); [] otherwise.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Backing off where drafts keep failing (engine/speculation.py): num_tokens when it last
+    # drafted (-1: not since it was checked), speculative steps in a row that accepted
+    # nothing, and chances to skip before the next drafts.
+    spec_mark: int = -1
+    spec_misses: int = 0
+    spec_skip: int = 0
 
     @property
     def display_id(self) -> str:

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Proposer = NgramProposer | DraftModelProposer
+# After n speculative steps in a row that accepted none of a sequence's drafts, it skips the
+# next min(2**n - 1, MAX_SKIP) chances to draft: on text its drafts do not predict, a proposer
+# (a draft model above all) and the verification of wrong drafts cost time for nothing; one
+# accepted draft resets it.
+MAX_SKIP = 15
 
 
 def longrope_original(config) -> int | None:
@@ -54,9 +59,11 @@ class Speculation:
         return DraftModelProposer(self._draft_engine(config, spec), spec.num_speculative_tokens)
 
     def _draft_engine(self: LLMEngine, config: EngineConfig, spec: SpeculativeConfig):
-        """The draft model's engine: the target's device, dtype, decode path and limits, a pool
+        """The draft model's engine: the target's device, dtype, decode step and limits, a pool
         of the same bytes (a smaller model's tokens take fewer), prefix caching on (it is what
-        spares recomputing each sequence's history every step)."""
+        spares recomputing each sequence's history every step), and the fastest decode weights
+        it can run ("auto": 4-bit on CPUs), since drafts need not be exact: a full-precision
+        target may even take its own 4-bit copy as the draft."""
         assert spec.model is not None
         draft_config = EngineConfig(
             model=spec.model, dtype=config.dtype, device=str(self.device),
@@ -65,7 +72,7 @@ class Speculation:
             max_num_batched_tokens=config.max_num_batched_tokens,
             long_prefill_chunk=config.long_prefill_chunk, enable_prefix_caching=True,
             attention_backend=config.attention_backend, cuda_graphs=config.cuda_graphs,
-            decode_weights=config.decode_weights, decode_step=config.decode_step,
+            decode_weights="auto", decode_step=config.decode_step,
         )  # fmt: skip
         try:
             draft = type(self)(draft_config)
@@ -90,11 +97,32 @@ class Speculation:
 
     def _propose(self: LLMEngine, seq: Sequence, k: int) -> list[int]:
         """The scheduler's drafts for seq: at most k, or [] where it may not speculate."""
-        assert self.proposer is not None
-        if self._batch_too_wide() or not self._may_speculate(seq):
+        proposer = self.proposer
+        assert proposer is not None
+        if isinstance(proposer, DraftModelProposer):
+            drafts = proposer.propose(seq, k)  # _prepare_drafts applied the rules below
+        elif self._batch_too_wide() or not self._may_speculate(seq) or self._backing_off(seq):
             return []
-        return self.proposer.propose(seq.token_ids, k) if isinstance(
-            self.proposer, NgramProposer) else self.proposer.propose(seq, k)  # fmt: skip
+        else:
+            drafts = proposer.propose(seq.token_ids, k)
+        seq.spec_mark = seq.num_tokens if drafts else -1
+        return drafts
+
+    @staticmethod
+    def _backing_off(seq: Sequence) -> bool:
+        """Whether seq skips this chance to draft (MAX_SKIP), after learning from its tokens
+        how its last drafts fared: a step that accepted a of them added a + 1 tokens."""
+        if seq.spec_mark >= 0 and seq.num_tokens > seq.spec_mark:  # that step ran
+            if seq.num_tokens - seq.spec_mark - 1 > 0:
+                seq.spec_misses = 0
+            else:
+                seq.spec_misses += 1
+                seq.spec_skip = min(2**seq.spec_misses - 1, MAX_SKIP)
+        seq.spec_mark = -1
+        if seq.spec_skip > 0:
+            seq.spec_skip -= 1
+            return True
+        return False
 
     def _prepare_drafts(self: LLMEngine) -> None:
         """A draft model's drafts for every running sequence about to decode, in one batched
@@ -109,7 +137,7 @@ class Speculation:
         for seq in self.scheduler.running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_forks > 1:
                 continue  # prefilling, or about to fork (no drafts before the fork)
-            if not self._may_speculate(seq):
+            if not self._may_speculate(seq) or self._backing_off(seq):
                 continue
             k = min(seq.params.max_tokens - seq.num_output_tokens - 1,
                     seq.max_total_tokens - seq.num_tokens - 1)  # fmt: skip

@@ -88,9 +88,9 @@ def test_same_tokens_as_without_speculation(plain, with_other, kw) -> None:
 
 
 def test_the_target_as_its_own_draft_is_nearly_always_right(target_path, plain) -> None:
-    """The same weights propose what the target then samples (greedy, the same logit_bias):
-    only a near-tie that the draft's and the verifier's different batch shapes round apart
-    may be rejected."""
+    """The same checkpoint proposes what the target then samples (greedy, the same logit_bias):
+    the draft runs it with 4-bit weights (the fastest it can), so a near-tie may fall the other
+    way and be rejected; most drafts are accepted."""
     engine = make(target_path, target_path)
     prompts = PROMPTS
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
@@ -98,7 +98,7 @@ def test_the_target_as_its_own_draft_is_nearly_always_right(target_path, plain) 
     got = run(engine, prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in run(plain, prompts, params)]
     drafted, accepted = spec_counts(engine)
-    assert drafted > 60 and accepted >= 0.9 * drafted, (accepted, drafted)
+    assert drafted > 60 and accepted >= 0.75 * drafted, (accepted, drafted)
     assert_draft_pool_free(engine)
 
 

@@ -262,3 +262,32 @@ def test_a_wide_batch_proposes_no_drafts(tiny_path):
     assert [o.token_ids for o in together] == [o.token_ids for o in run(plain, PROMPTS[:2],
                                                                           params)]
     assert alone[0].token_ids == run(plain, PROMPTS[:1], params[:1])[0].token_ids
+
+
+def test_drafts_back_off_where_they_keep_failing(tiny_path):
+    """Sampling over an eight-token alphabet: its tokens recur, so prompt lookup finds drafts
+    almost every step, but the draws are mostly not what came before. After m speculative
+    steps in a row that accepted nothing, a sequence skips its next min(2**m - 1, 15) chances
+    to draft, so it drafts in well under half of its steps (nearly all without backing off);
+    the tokens are the plain engine's. The schedule is recounted from each step's draft
+    counter and the tokens the step added."""
+    engine = make(tiny_path, True)
+    alphabet = {600 + i: 100.0 for i in range(8)}
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=3, ignore_eos=True,
+                            logit_bias=alphabet)  # fmt: skip
+    prompt = [600, 601, 602, 603] * 5
+    engine.add_request("sampled", prompt, params)
+    (seq,) = engine.requests["sampled"]
+    seen: list[tuple[int, int]] = []  # per step: (drafts counter after it, tokens it added)
+    while engine.has_unfinished_requests():
+        before = seq.num_tokens
+        engine.step()
+        seen.append((engine.stats.spec_decode.num_drafts, seq.num_tokens - before))
+    plain = run(make(tiny_path, False), [prompt], [params])
+    assert [o.token_ids for o in plain] == [seq.output_token_ids]
+    drafted = [i for i in range(len(seen)) if seen[i][0] > (seen[i - 1][0] if i else 0)]
+    misses = 0
+    for a, b in itertools.pairwise(drafted):
+        misses = misses + 1 if seen[a][1] == 1 else 0  # one token: no draft accepted
+        assert b - a - 1 >= min(2**misses - 1, 15)
+    assert 0 < len(drafted) < 0.5 * len(seen), (len(drafted), len(seen))
