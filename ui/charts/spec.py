@@ -18,7 +18,7 @@ from ui.charts.style import _nice, _pct, _pin_title_width, _small_font
 from ui.spec_history import SpecHistory
 
 MAX_POSITIONS = 16  # bar labels made up front (vLLM's num_speculative_tokens rarely passes 8)
-HEIGHT = 150
+HEIGHT = 125
 NO_DRAFTS = "no drafts yet"
 
 
@@ -49,7 +49,6 @@ class SpecChartsWidget(QWidget):
         p = self.view.addPlot(row=0, col=1)
         self._style(p)
         p.getAxis("bottom").setStyle(tickFont=_small_font())
-        p.setLabel("bottom", "draft position", **{"font-size": "7pt"})
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.7,
                                     brush=pg.mkBrush(theme.SPEC_DRAFT))  # fmt: skip
         p.addItem(self.bars)
@@ -80,7 +79,7 @@ class SpecChartsWidget(QWidget):
             lab.setText("")
         self._seen, self._bar_max = None, 0.0
         self._title(self.p_rate, f"draft acceptance (%): {NO_DRAFTS}")
-        self._title(self.p_pos, "accepted by draft position")
+        self._title(self.p_pos, "accepted by position")
         self.empty.setVisible(True)
 
     def refresh(self, spec: SpecHistory, x_range: tuple[float, float] | None) -> None:
@@ -116,7 +115,7 @@ class SpecChartsWidget(QWidget):
         counts = spec.per_pos[:MAX_POSITIONS]
         x = np.arange(1, len(counts) + 1, dtype=float)
         self.bars.setOpts(x=x, height=counts)
-        self.p_pos.getAxis("bottom").setTicks([[(float(i), str(i)) for i in x], []])
+        self.p_pos.getAxis("bottom").setTicks([[(float(i), f"{i:.0f}") for i in x], []])
         if len(counts):
             self.p_pos.setXRange(0.4, len(counts) + 0.6, padding=0)
         top = _nice(float(counts.max()) * 1.3) if len(counts) else 1.0
@@ -131,8 +130,7 @@ class SpecChartsWidget(QWidget):
                 lab.setPos(i + 1, float(counts[i]))
             else:
                 lab.setText("")
-        self._title(self.p_pos, f"accepted by draft position · {steps:,.0f} steps"
-                    if steps else "accepted by draft position")
+        self._title(self.p_pos, "accepted by position")
 
     def _title(self, p: pg.PlotItem, text: str) -> None:
         if self._titles.get(id(p)) != text:

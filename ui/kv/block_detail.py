@@ -28,17 +28,18 @@ def detail_text(
         # in block-table order (a table holds each block once)
         table = [b for b in remembered_table if b in still_cached]
         title = f"{rid} (finished: {len(table)} blocks still cached)"
-    lines = [title, "logical→physical  fill  ref  hash      state"]
+    # speculation first: a long table would push it out of the pane's view
+    spec = spec_lines(live, f.block_size) if live is not None else []
+    lines = [title, *spec, "logical→physical  fill  ref  hash      state"]
     groups = live.group_tables if live is not None else []
     if groups:
-        lines.insert(1, "full-attention layers")
+        lines.insert(1 + len(spec), "full-attention layers")
     lines += table_lines(f, table, table_strips(live, f.block_size))
     for g, group_table in enumerate(groups, 1):
         released = sum(1 for b in group_table if b < 0)
         lines.append(f"sliding-window group {g}: {released} blocks released (left the window)")
         lines += table_lines(f, group_table)
     if live is not None:
-        lines += spec_lines(live, f.block_size)
         lines += allowed_tokens_lines(live, vocab_size)
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ them: gui, load, http, ...). Selecting a request dims every block it does not ho
 block table (logical -> physical). Hovering a cell shows block id, state, ref count, owners with
 their origin, filled slots and the short prefix hash. Speculative decoding's last step, for one
 frame (ui/kv/spec_marks.py): blocks that held drafts get a hatched outline, those whose rejected
-drafts were rolled back a red core, and the detail pane shows the selected request's slots.
+drafts were rolled back a red cross, and the detail pane shows the selected request's slots.
 """
 
 from __future__ import annotations
@@ -112,6 +112,11 @@ class BlockMapWidget(QWidget):
         self.legend = QLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
+        self.legend.setToolTip(
+            "speculative decoding, the last step since the previous frame: drafted = blocks it "
+            "wrote draft tokens' K/V to (hatched outline); rolled back = blocks holding drafts "
+            "the model rejected, whose K/V was forgotten (red cross). Select a request to see "
+            "its slots.")
 
         self.table = RequestTable()
         self.table.itemSelectionChanged.connect(self._on_table_selection)
@@ -281,10 +286,11 @@ class BlockMapWidget(QWidget):
             parts.append(f"{sw}&nbsp;{label}")
         if self.frame is not None and DRAFT_TOKENS in self.frame.counters:  # it speculates
             m = self.spec_marks
+            # blocks the last speculative step drafted to / rolled back in (shown one frame)
             parts.append(f'<span style="color:{theme.SPEC_DRAFT}">▨</span>&nbsp;drafted '
                          f"{len(m.drafted)}")
-            parts.append(f'<span style="color:{theme.SPEC_ROLLBACK}">■</span>&nbsp;rolled back '
-                         f"{len(m.rolled_back)} (last step)")
+            parts.append(f'<span style="color:{theme.SPEC_ROLLBACK}">✖</span>&nbsp;rolled back '
+                         f"{len(m.rolled_back)}")
         if self.fork_blocks:
             parts.append(f'<span style="color:{theme.FORK}">■</span>&nbsp;shared with the '
                          f"branch it forked from {len(self.fork_blocks)}")

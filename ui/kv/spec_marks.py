@@ -4,8 +4,9 @@ draft, shown for one frame (the engine reports a step once, in the next snapshot
 
 A frame's RequestView carries the step: drafts at positions draft_start.., the physical block of
 each slot (draft_blocks, noted before the rollback freed any), the first draft_accepted confirmed.
-The map marks whole blocks (a hatched outline: drafted; a red core: rolled back); the detail pane
-draws the selected request's slots, one character each."""
+The map marks whole blocks (a hatched outline: drafted; a red cross: rolled back; shapes, since
+the cells' colours already name requests); the detail pane draws the selected request's slots,
+one character each."""
 
 from __future__ import annotations
 
@@ -122,8 +123,8 @@ def _slots(positions: list[int], block_size: int) -> str:
 
 class SpecOverlay:
     """Two scatter items over the block map's image, made once: a hatched outline around each
-    drafted block, a red core in each rolled-back one (the block's own colour shows around
-    it)."""
+    drafted block, a red cross over each rolled-back one (outlined dark, so that it stands out
+    on a red request's cell too)."""
 
     def __init__(self, view_box: pg.ViewBox) -> None:
         draft = QColor(theme.SPEC_DRAFT)
@@ -131,7 +132,7 @@ class SpecOverlay:
             pxMode=False, symbol="s", pen=pg.mkPen(draft, width=1.5),
             brush=QBrush(draft, Qt.BrushStyle.BDiagPattern))  # fmt: skip
         self.rolled_back = pg.ScatterPlotItem(
-            pxMode=False, symbol="s", pen=pg.mkPen(theme.SPEC_ROLLBACK, width=1),
+            pxMode=False, symbol="x", pen=pg.mkPen(theme.BG, width=1),
             brush=pg.mkBrush(theme.SPEC_ROLLBACK))  # fmt: skip
         for item in (self.drafted, self.rolled_back):
             item.setZValue(10)
@@ -145,7 +146,7 @@ class SpecOverlay:
             return
         self._drawn, self.shown = key, marks
         for item, blocks, size in ((self.drafted, marks.drafted, pitch),
-                                   (self.rolled_back, marks.rolled_back, cell * 0.55)):
+                                   (self.rolled_back, marks.rolled_back, cell * 1.1)):
             bs = sorted(b for b in blocks if 0 <= b < n)
             x = [(b % cols) * pitch + cell / 2 for b in bs]
             y = [(b // cols) * pitch + cell / 2 for b in bs]
