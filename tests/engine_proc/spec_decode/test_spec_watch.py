@@ -158,3 +158,31 @@ def test_snapshot_marks_travel_on_the_wire(tiny_path) -> None:
                               for p in range(v.start, v.start + len(v.drafts))]
     assert r.num_draft_tokens == len(v.drafts) and r.num_accepted_tokens == v.accepted
     engine.abort_request("w")
+
+
+def test_a_preempted_request_shows_no_drafts(tiny_path) -> None:
+    """A pool small enough to preempt, snapshots only now and then: a request preempted after
+    its speculative step lost those blocks, so the next snapshot marks none for it."""
+    engine = make(tiny_path, True, num_kv_blocks=40, long_prefill_chunk=8,
+                  max_num_batched_tokens=24)  # fmt: skip
+    steps = watch(engine)
+    long_prompt = list(range(1000, 1060)) + [500, 501, 502] * 3
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias=ALPHABET)
+    for i, prompt in enumerate([long_prompt, PROMPTS[0], long_prompt[:40] + [500, 502],
+                                PROMPTS[1]]):  # fmt: skip
+        engine.add_request(f"p{i}", prompt, p)
+    checked = 0
+    while engine.has_unfinished_requests():
+        before = engine.stats.num_preemptions
+        drafted_now = {v.display_id for v in (steps[-1] if steps else [])}
+        engine.step()
+        if engine.stats.num_preemptions == before:
+            continue
+        preempted = [s for s in engine.scheduler.waiting if s.status.value == "preempted"]
+        # forgotten at once: readmitted before the next snapshot, it would hold other blocks
+        assert all(s.last_spec is None for s in preempted)
+        snap = {r.request_id: r for r in engine.snapshot().requests}
+        for s in preempted:
+            assert snap[s.display_id].draft_blocks == []
+            checked += s.display_id in drafted_now or s.num_draft_tokens > 0
+    assert engine.stats.num_preemptions > 0 and checked > 0
