@@ -33,15 +33,16 @@ class SpecChartsWidget(QWidget):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(self.view)
         self._seen: tuple[int, float] | None = None  # (points, speculative steps) last drawn
+        self._xrange: tuple[float, float] | None = None
         self._titles: dict[int, str] = {}
         self._bar_max = 0.0
 
         p = self.view.addPlot(row=0, col=0)
         self._style(p)
         p.setYRange(0, 100, padding=0.02)
-        self.rate = p.plot(pen=pg.mkPen(theme.SPEC_DRAFT), connect="finite",
-                           symbol="o", symbolSize=3, symbolPen=None,
-                           symbolBrush=pg.mkBrush(theme.SPEC_DRAFT))  # fmt: skip
+        # a line, no symbols: a scatter rebuilds a Python record per point on every setData,
+        # and under steady speculation every frame adds a point (ui/charts/engine.py's Dots)
+        self.rate = p.plot(pen=pg.mkPen(theme.SPEC_DRAFT))
         self.empty = pg.TextItem(NO_DRAFTS, anchor=(0.5, 0.5), color=theme.MUTED)
         p.addItem(self.empty, ignoreBounds=True)
         self.p_rate = p
@@ -77,7 +78,7 @@ class SpecChartsWidget(QWidget):
         self.bars.setOpts(x=[], height=[])
         for lab in self.bar_labels:
             lab.setText("")
-        self._seen, self._bar_max = None, 0.0
+        self._seen, self._bar_max, self._xrange = None, 0.0, None
         self._title(self.p_rate, f"draft acceptance (%): {NO_DRAFTS}")
         self._title(self.p_pos, "accepted by position")
         self.empty.setVisible(True)
@@ -89,7 +90,8 @@ class SpecChartsWidget(QWidget):
             self.setVisible(spec.enabled)
         if not spec.enabled:
             return
-        if x_range is not None and self.p_rate.viewRange()[0] != list(x_range):
+        if x_range is not None and x_range != self._xrange:  # moves in steps, like the others
+            self._xrange = x_range
             self.p_rate.setXRange(*x_range, padding=0)
             self.empty.setPos((x_range[0] + x_range[1]) / 2, 50)
         key = (spec.n, spec.num_drafts)

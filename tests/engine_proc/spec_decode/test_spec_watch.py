@@ -9,7 +9,7 @@ tokens, so the accepted count is read off the emitted tokens alone."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -27,7 +27,7 @@ def tiny_path():
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class Verified:
     """One sequence's speculative step, as seen from outside."""
 
@@ -35,8 +35,7 @@ class Verified:
     start: int  # its length before the step: the first draft's position
     drafts: list[int]
     table: list[int]  # its block table during the step (drafts' blocks included)
-    emitted: list[int] = None  # type: ignore[assignment]
-    table_after: list[int] = None  # type: ignore[assignment]
+    emitted: list[int] = field(default_factory=list)  # its tokens from start on, after
 
     @property
     def accepted(self) -> int:
@@ -55,7 +54,6 @@ def watch(engine) -> list[list[Verified]]:
         outs = original(logits, sampling)
         for r, s in zip(rec, seqs, strict=True):
             r.emitted = s.token_ids[r.start :]
-            r.table_after = list(s.block_table)
         steps.append(rec)
         return outs
 
