@@ -66,6 +66,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs
     kv_handoff: tuple[str, list[bytes]] | None = None  # prefill role: (lease id, block hashes)
+    # speculative decoding, so far: drafts verified for this sequence and how many it confirmed
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -178,10 +178,15 @@ class LiveConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     paused: bool = False
 
 
-class Usage(msgspec.Struct, kw_only=True):
+class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
     completion_tokens: int
+    # speculative decoding: drafts the engine verified for this sequence, and how many of them
+    # it confirmed (0 and 0 without speculation, and from engines older than these fields;
+    # older peers ignore them: Usage accepts unknown fields)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 # ---------------------------------------------------------------- client -> engine

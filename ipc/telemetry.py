@@ -81,6 +81,16 @@ class RequestState(msgspec.Struct, kw_only=True):
     structured: str = ""
     num_tools: int = 0
     allowed_tokens: list[int] = []
+    # speculative decoding: the request's latest speculative step since the previous snapshot
+    # (empty draft_blocks: none). Its drafts' K/V went to positions draft_start.. (the physical
+    # block of each slot in draft_blocks, noted before the rollback freed any); the first
+    # draft_accepted were confirmed, the rest rolled back. num_draft_tokens /
+    # num_accepted_tokens: its drafts verified and confirmed so far.
+    draft_start: int = 0
+    draft_blocks: list[int] = []
+    draft_accepted: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class TokenEvent(msgspec.Struct, kw_only=True):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from app.load_generator import ID_PREFIX as LOAD_ID_PREFIX
+from ui.spec_history import SpecHistory
 
 # Block states, as on the wire (engine_proc/engine/telemetry_types.py; duplicated because ui/ must
 # not import engine_proc)
@@ -73,6 +74,14 @@ class RequestView:
     structured: str = ""
     num_tools: int = 0
     allowed_tokens: list[int] = field(default_factory=list)
+    # speculative decoding (ipc RequestState): the last speculative step since the previous
+    # frame, drafts at positions draft_start.. in draft_blocks (one per slot; [] for none), the
+    # first draft_accepted confirmed; and its drafts verified / confirmed so far
+    draft_start: int = 0
+    draft_blocks: list[int] = field(default_factory=list)
+    draft_accepted: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def live_blocks(self) -> list[int]:
         """Every block it holds, in all its groups' tables."""
@@ -142,6 +151,11 @@ class Frame:
                 structured=str(_get(r, "structured", "") or ""),
                 num_tools=int(_get(r, "num_tools", 0) or 0),
                 allowed_tokens=[int(c) for c in (_get(r, "allowed_tokens") or [])],
+                draft_start=int(_get(r, "draft_start", 0) or 0),
+                draft_blocks=[int(b) for b in (_get(r, "draft_blocks") or [])],
+                draft_accepted=int(_get(r, "draft_accepted", 0) or 0),
+                num_draft_tokens=int(_get(r, "num_draft_tokens", 0) or 0),
+                num_accepted_tokens=int(_get(r, "num_accepted_tokens", 0) or 0),
             )
             for r in (_get(snap, "requests") or [])
         ]
@@ -265,6 +279,7 @@ class History:
         self._counter_hist: deque[tuple[float, ...]] = deque()
         # remembered block tables of finished requests, to highlight their cached blocks
         self.last_tables: dict[str, tuple[list[int], list[int]]] = {}
+        self.spec = SpecHistory(capacity)  # speculative decoding's acceptance, per interval
 
     def clear(self) -> None:
         self.__init__(self.window_s, self.frames.capacity, self.itl.capacity)
@@ -288,6 +303,7 @@ class History:
             for k in list(self.last_tables)[: len(self.last_tables) - 512]:
                 del self.last_tables[k]
         self._add_tokens(f)
+        self.spec.add(f, t)
         c = f.counters
         self._counter_hist.append((
             f.time,

@@ -16,6 +16,10 @@ EMPTY = "#323642"
 CACHED = "#5f7a99"  # free but holding a prefix hash: evictable, can be hit
 SHARED = "#ffd23f"  # ref count > 1
 FORK = "#f2f2f2"  # a branch's blocks shared with the branch it was forked from
+# speculative decoding's last step, hatched over the blocks' own colours: slots that held drafts,
+# and those whose rejected drafts' K/V was rolled back
+SPEC_DRAFT = "#ffb000"
+SPEC_ROLLBACK = "#ff2d55"
 # one colour per live request (cycled); none of them close to CACHED or SHARED
 REQUEST_COLOURS = [
     "#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6",

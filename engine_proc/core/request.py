@@ -11,6 +11,18 @@ from engine_proc.outputs import RequestMetrics
 from engine_proc.sampling_params import SamplingParams
 
 
+@dataclass(slots=True)
+class SpecStep:
+    """A sequence's latest speculative step, kept for the next telemetry snapshot (which takes
+    it): its drafts sat at positions start .. start + len(blocks) - 1, each slot in the physical
+    block listed (noted before the rollback, which may free the last of them), and the first
+    `accepted` were confirmed; the K/V of the rest was rolled back."""
+
+    start: int
+    blocks: list[int]
+    accepted: int
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -64,6 +76,11 @@ class Sequence:
     spec_mark: int = -1
     spec_misses: int = 0
     spec_skip: int = 0
+    # ... and what became of them: drafts verified and confirmed over the sequence's life (its
+    # Finish reports them), and its latest speculative step until a snapshot shows it once.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    last_spec: SpecStep | None = None
 
     @property
     def display_id(self) -> str:

@@ -195,6 +195,7 @@ class Scheduler:
         self.kv.free(seq)
         self._switch_rope(seq)
         seq.spec_token_ids = []
+        seq.last_spec = None  # its blocks are gone: telemetry must not mark them as its drafts
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)

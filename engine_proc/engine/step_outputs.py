@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine_proc.core.request import Sequence, SequenceStatus
+from engine_proc.core.request import Sequence, SequenceStatus, SpecStep
 from engine_proc.core.scheduler import ScheduledBatch
 from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.engine.parts import EngineParts
@@ -73,9 +73,10 @@ class StepOutputs(EngineParts):
             sampled = tokens[i : i + 1 + len(drafts)]
             accepted = num_accepted(drafts, sampled) if drafts else 0
             emit = sampled[: accepted + 1]
+            num_known = seq.num_tokens
             if drafts:
                 self.stats.spec_decode.observe(len(drafts), accepted)
-            num_known = seq.num_tokens
+                self._note_spec(seq, num_known, len(drafts), accepted)
             out = self._emit(seq, emit, logprobs[i : i + len(emit)], now)
             if drafts and not seq.is_finished:
                 self.kv.rollback(seq, num_known)
@@ -83,6 +84,16 @@ class StepOutputs(EngineParts):
             outputs.append(out)
             i += 1 + len(drafts)
         return outputs
+
+    def _note_spec(self, seq: Sequence, start: int, num_drafts: int, accepted: int) -> None:
+        """Count a speculative step on the sequence (its Finish reports the totals) and note
+        where its drafts' K/V went, before _emit can free the blocks (a finished sequence) or
+        the rollback the blocks only rejected drafts filled."""
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += accepted
+        bs = self.block_size
+        blocks = [seq.block_table[p // bs] for p in range(start, start + num_drafts)]
+        seq.last_spec = SpecStep(start, blocks, accepted)
 
     def _emit(
         self, seq: Sequence, tokens: list[int], raws: list[RawLogprobs | None], now: float
@@ -206,6 +217,8 @@ class StepOutputs(EngineParts):
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,  # token times of every output so far, for streaming clients
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         )
 
 

@@ -66,6 +66,12 @@ def block_snapshot(kv: KVCacheManager, seqs: list[Sequence]) -> BlockSnapshot:
 
 def request_snapshot(seq: Sequence) -> RequestSnapshot:
     m = seq.metrics
+    # A speculative step shows in one snapshot (the next) and is then forgotten: the block map
+    # marks what the last step drafted and rolled back, not a history of it. Preempted, a
+    # sequence's blocks are gone and so is the mark.
+    spec, seq.last_spec = seq.last_spec, None
+    if spec is not None and (seq.status.value != "running" or not seq.block_table):
+        spec = None
     return RequestSnapshot(
         request_id=seq.display_id,
         status=seq.status.value,
@@ -81,6 +87,11 @@ def request_snapshot(seq: Sequence) -> RequestSnapshot:
         structured=seq.params.structured.kind if seq.params.structured is not None else "",
         num_tools=seq.num_tools,
         allowed_tokens=list(seq.grammar.allowed) if seq.grammar is not None else [],  # type: ignore[attr-defined]
+        draft_start=spec.start if spec is not None else 0,
+        draft_blocks=list(spec.blocks) if spec is not None else [],
+        draft_accepted=spec.accepted if spec is not None else 0,
+        num_draft_tokens=seq.num_draft_tokens,
+        num_accepted_tokens=seq.num_accepted_tokens,
     )
 
 

@@ -43,6 +43,14 @@ class RequestSnapshot:
     num_tools: int = 0  # tools its chat offered the model
     # tokens the grammar allowed at each of its last steps (at most 256), oldest first
     allowed_tokens: list[int] = field(default_factory=list)
+    # speculative decoding: its latest speculative step since the previous snapshot (drafts at
+    # positions draft_start.., the block of each, the first draft_accepted confirmed; [] for
+    # none), and its drafts verified / confirmed so far
+    draft_start: int = 0
+    draft_blocks: list[int] = field(default_factory=list)
+    draft_accepted: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

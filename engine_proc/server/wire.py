@@ -28,6 +28,8 @@ def finish_of(out: Any, abort_message: str | None) -> P.Finish:
             prompt_tokens=int(out.num_prompt_tokens),
             cached_tokens=int(out.num_cached_tokens),
             completion_tokens=len(out.token_ids),
+            draft_tokens=int(getattr(out, "num_draft_tokens", 0)),
+            accepted_draft_tokens=int(getattr(out, "num_accepted_tokens", 0)),
         ),
         ttft=None if m is None else m.ttft,
         tpot=None if m is None else m.tpot,
@@ -128,6 +130,11 @@ def telemetry_from_snapshot(
                 structured=r.structured,
                 num_tools=r.num_tools,
                 allowed_tokens=[int(x) for x in r.allowed_tokens],
+                draft_start=int(r.draft_start),
+                draft_blocks=[int(x) for x in r.draft_blocks],
+                draft_accepted=int(r.draft_accepted),
+                num_draft_tokens=int(r.num_draft_tokens),
+                num_accepted_tokens=int(r.num_accepted_tokens),
             )
             for r in snap.requests
         ],

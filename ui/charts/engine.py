@@ -9,9 +9,20 @@ import time
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QGraphicsItem, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from ui import theme
+from ui.charts.spec import SpecChartsWidget
+from ui.charts.style import (
+    _brush,
+    _fmt_rate,
+    _nice,
+    _opaque_brush,
+    _pct,
+    _pen,
+    _pin_title_width,
+    _small_font,
+)
 from ui.telemetry import History
 
 WINDOW_S = 60.0
@@ -19,27 +30,6 @@ MAX_POINTS = 1500  # per scatter, thinned evenly: enough to read, cheap to draw
 TITLE_PERIOD_S = 0.5
 LOG_TICKS = [(float(e), lab) for e, lab in enumerate(
     ("1", "10", "100", "1 s", "10 s", "100 s"))] + [(-1.0, "0.1"), (-2.0, "0.01")]
-
-
-def _pen(key: str, width: float = 1.0, style: Qt.PenStyle = Qt.PenStyle.SolidLine) -> object:
-    # The live charts keep width 1: Qt's raster engine strokes a wider pen as a path, which cost
-    # ~10 ms per repaint of these charts (over 1,000 points a curve), in the GUI thread at 10 Hz.
-    return pg.mkPen(theme.SERIES[key], width=width, style=style)
-
-
-def _brush(key: str, alpha: int = 110) -> object:
-    c = pg.mkColor(theme.SERIES[key])
-    c.setAlpha(alpha)
-    return pg.mkBrush(c)
-
-
-def _opaque_brush(colour: str, alpha: int) -> object:
-    """`colour` at `alpha` over the plot background, as an opaque brush: stacked areas are drawn
-    as curves filled down to 0, each over the one below, so they must not show through."""
-    c, bg = pg.mkColor(colour), pg.mkColor(theme.BG)
-    a = alpha / 255.0
-    mix = [round(b * (1 - a) + f * a) for b, f in zip(bg.getRgb()[:3], c.getRgb()[:3], strict=True)]
-    return pg.mkBrush(*mix)
 
 
 class Dots:
@@ -64,36 +54,6 @@ class Dots:
         self.item.setData(np.repeat(self.xData, 2), pairs_y)
 
 
-def _pin_title_width(p: pg.PlotItem) -> None:
-    """Keep a title's text out of the layout. LabelItem.setText resets the label's size hints to
-    the text's size: a long title would widen its column, and every changed number in a live
-    title re-laid out the whole grid (plots resized, axes regenerated, a ~40 ms repaint of every
-    chart, several times a second). Pinned, the label keeps one line's height and a nominal
-    width whatever its text; the layout gives it the plot's width."""
-    label = p.titleLabel
-    height = label.itemRect().height()
-    hints = {
-        Qt.SizeHint.MinimumSize: (10.0, height),
-        Qt.SizeHint.PreferredSize: (10.0, height),
-        Qt.SizeHint.MaximumSize: (-1.0, -1.0),
-        Qt.SizeHint.MinimumDescent: (0.0, 0.0),
-    }
-
-    def fixed_hints() -> None:  # stands in for LabelItem.updateMin
-        label.setMinimumSize(10.0, height)
-        label._sizeHint = dict(hints)
-
-    label.updateMin = fixed_hints
-    label.opts["justify"] = "left"  # a title longer than its plot loses its end, not both ends
-    label.setFlag(QGraphicsItem.GraphicsItemFlag.ItemClipsChildrenToShape, True)
-    fixed_hints()
-    label.updateGeometry()
-
-
-def _fmt_rate(v: float) -> str:
-    return "—" if not math.isfinite(v) else (f"{v:,.0f}" if v >= 100 else f"{v:.1f}")
-
-
 class ChartsWidget(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -102,6 +62,8 @@ class ChartsWidget(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(self.view)
+        self.spec = SpecChartsWidget()  # below the grid; shown while the engine speculates
+        lay.addWidget(self.spec)
         self.plots: list[pg.PlotItem] = []
         self.block_size = 16
         self._seen = [-1] * self.PARTS  # History.frames.n at each part's last refresh
@@ -227,6 +189,7 @@ class ChartsWidget(QWidget):
         self.bars.setOpts(height=[0, 0, 0])
         for lab in self.bar_labels:
             lab.setText("")
+        self.spec.clear()
         self._seen, self._itl_seen, self._xrange, self._bars = [-1] * self.PARTS, -1, None, []
         self._yranges.clear()
 
@@ -234,10 +197,10 @@ class ChartsWidget(QWidget):
 
     def refresh(self, h: History, part: int | None = None) -> None:
         """Push the history into the plot items: `part` 0 (latency, hit rate, prompt tokens) or 1
-        (throughput, requests, KV, bars, titles), or both. Each part repaints only its plots, so
-        the GUI thread never spends one long event on all of them. Cheap when nothing changed:
-        axes only move in whole steps and titles update at most twice a second (both force
-        re-layout/re-render)."""
+        (throughput, requests, KV, bars, speculation, titles), or both. Each part repaints only
+        its plots, so the GUI thread never spends one long event on all of them. Cheap when
+        nothing changed: axes only move in whole steps and titles update at most twice a second
+        (both force re-layout/re-render)."""
         if h.latest is None or len(h.frames) == 0:
             return
         for p in range(self.PARTS) if part is None else (part,):
@@ -269,6 +232,7 @@ class ChartsWidget(QWidget):
             self._refresh_latency_and_prompt(h, fr, t, itl, tt)
         else:
             self._refresh_load_and_kv(h, fr, t)
+            self.spec.refresh(h.spec, self._xrange)
             now = time.monotonic()
             if now - self._last_titles >= TITLE_PERIOD_S:
                 self._last_titles = now
@@ -376,26 +340,3 @@ class ChartsWidget(QWidget):
 
 def _log_ms(seconds: np.ndarray) -> np.ndarray:
     return np.log10(np.maximum(seconds * 1e3, 1e-2))
-
-
-def _nice(v: float) -> float:
-    """The next 1-2-5 step at or above v (at least 1), for stable axis ranges."""
-    if not math.isfinite(v) or v <= 1:
-        return 1.0
-    e = 10 ** math.floor(math.log10(v))
-    for m in (1, 2, 5, 10):
-        if v <= m * e:
-            return m * e
-    return 10 * e
-
-
-def _small_font():
-    from PySide6.QtGui import QFont
-
-    f = QFont()
-    f.setPointSize(7)
-    return f
-
-
-def _pct(v: float) -> str:
-    return "—" if not math.isfinite(v) else f"{v * 100:.0f}%"

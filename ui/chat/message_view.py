@@ -36,7 +36,8 @@ ROLE_STYLE = {
 
 
 def format_stats(stats: dict) -> str:
-    """'TTFT 120 ms · 31.2 tok/s · prompt 45 / cached 32 / generated 100 · stop'."""
+    """'TTFT 120 ms · 31.2 tok/s · prompt 45 / cached 32 / generated 100 · drafts 31/40
+    accepted (78%) · stop' (the drafts: a reply the engine decoded speculatively)."""
     if not stats:
         return ""
     parts = []
@@ -52,6 +53,10 @@ def format_stats(stats: dict) -> str:
         parts.append(f"prompt {stats['prompt_tokens']}"
                      + (f" / cached {cached}" if cached is not None else "")
                      + f" / generated {stats.get('completion_tokens', 0)}")
+    drafted = stats.get("draft_tokens")
+    if isinstance(drafted, int) and drafted > 0:
+        accepted = stats.get("accepted_draft_tokens", 0)
+        parts.append(f"drafts {accepted}/{drafted} accepted ({accepted / drafted:.0%})")
     if stats.get("forked_from") and stats.get("cached_tokens"):
         parts.append(f"{stats['cached_tokens']} prompt tokens reused from the earlier branch")
     if stats.get("finish_reason"):

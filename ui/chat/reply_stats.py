@@ -43,6 +43,12 @@ def finish_stats(msg: Any) -> dict:
     if u is not None:
         stats |= {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
                   "completion_tokens": n}
+        # speculative decoding: drafts verified for this reply and confirmed (absent from a
+        # server's usage over HTTP, and 0 from engines that do not speculate)
+        drafted = getattr(u, "draft_tokens", 0) or 0
+        if drafted:
+            stats |= {"draft_tokens": drafted,
+                      "accepted_draft_tokens": getattr(u, "accepted_draft_tokens", 0) or 0}
     return stats
 
 

@@ -6,27 +6,24 @@ shares with the branch it was forked from in white: its prefix-cache hit, block 
 request table lists live requests with their origin (the client that sent
 them: gui, load, http, ...). Selecting a request dims every block it does not hold and lists its
 block table (logical -> physical). Hovering a cell shows block id, state, ref count, owners with
-their origin, filled slots and the short prefix hash.
+their origin, filled slots and the short prefix hash. Speculative decoding's last step, for one
+frame (ui/kv/spec_marks.py): blocks that held drafts get a hatched outline, those whose rejected
+drafts were rolled back a red cross, and the detail pane shows the selected request's slots.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, Signal
 from PySide6.QtGui import QCursor
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QPlainTextEdit,
     QSplitter,
-    QTableWidget,
-    QTableWidgetItem,
     QToolTip,
     QVBoxLayout,
     QWidget,
@@ -34,7 +31,9 @@ from PySide6.QtWidgets import (
 
 from ui import theme
 from ui.kv.block_detail import STATE_NAMES, detail_text, state_name
-from ui.kv.constraints import constraint_label, constraint_tooltip
+from ui.kv.request_table import RequestTable
+from ui.kv.spec_marks import SpecMarks, SpecOverlay, spec_marks, spec_tooltip
+from ui.spec_history import DRAFT_TOKENS
 from ui.telemetry import BLOCK_CACHED, BLOCK_EMPTY, BLOCK_IN_USE, Frame, origin_label
 
 # colour indices in the LUT
@@ -53,7 +52,6 @@ def cell_size(n: int) -> tuple[int, int]:
     if n <= 65536:
         return 2, 3
     return 1, 1  # no gap: one pixel per block
-TABLE_COLUMNS = ("request", "origin", "status", "prompt", "hit", "gen", "blocks", "constraint")
 
 
 def _lut() -> np.ndarray:
@@ -98,9 +96,6 @@ class BlockMapWidget(QWidget):
         self._shape = (1, 1)
         self.cell, self.pitch = CELL, PITCH
         self._dirty = False
-        self._rows: list[tuple[str, ...]] = []
-        self._table_time = 0.0
-        self._brushes = [pg.mkBrush(c) for c in theme.REQUEST_COLOURS]
 
         self.view = pg.GraphicsLayoutWidget()
         self.view.setMinimumSize(260, 160)
@@ -109,35 +104,21 @@ class BlockMapWidget(QWidget):
         self.image = pg.ImageItem(axisOrder="row-major")
         self.image.setLookupTable(_lut())
         self.vb.addItem(self.image)
+        self.spec = SpecOverlay(self.vb)
+        self.spec_marks = SpecMarks()  # of the frame drawn
         self.view.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.view.scene().sigMouseClicked.connect(self._on_mouse_clicked)
 
         self.legend = QLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
+        self.legend.setToolTip(
+            "speculative decoding, the last step since the previous frame: drafted = blocks it "
+            "wrote draft tokens' K/V to (hatched outline); rolled back = blocks holding drafts "
+            "the model rejected, whose K/V was forgotten (red cross). Select a request to see "
+            "its slots.")
 
-        self.table = QTableWidget(0, len(TABLE_COLUMNS))
-        self.table.setHorizontalHeaderLabels(list(TABLE_COLUMNS))
-        self.table.horizontalHeaderItem(TABLE_COLUMNS.index("origin")).setToolTip(
-            "the client that sent it: gui = this window's chats, load = its load generator, "
-            "http = the OpenAI-compatible API, otherwise the name the client gave the engine")
-        self.table.horizontalHeaderItem(TABLE_COLUMNS.index("hit")).setToolTip(
-            "prompt tokens served by the prefix cache")
-        self.table.horizontalHeaderItem(TABLE_COLUMNS.index("constraint")).setToolTip(
-            "what an agent's request carries: a grammar (json, regex, choice, grammar; from "
-            "response_format, structured_outputs or a forced tool_choice) and/or tools")
-        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.table.verticalHeader().setDefaultSectionSize(20)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        hdr = self.table.horizontalHeader()
-        # fixed widths: ResizeToContents re-measures every row on every cell change (slow)
-        hdr.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for i, width in enumerate((40, 56, 46, 36, 36, 44, 64), start=1):
-            hdr.setSectionResizeMode(i, QHeaderView.ResizeMode.Fixed)
-            hdr.resizeSection(i, width)
+        self.table = RequestTable()
         self.table.itemSelectionChanged.connect(self._on_table_selection)
 
         self.block_table = QPlainTextEdit()
@@ -188,8 +169,8 @@ class BlockMapWidget(QWidget):
     def clear(self) -> None:
         self.frame = None
         self.image.clear()
-        self.table.setRowCount(0)
-        self._rows = []
+        self.spec.clear()
+        self.table.reset()
         self.block_table.clear()
 
     # --- drawing ----------------------------------------------------------------------------
@@ -219,14 +200,16 @@ class BlockMapWidget(QWidget):
             mask[hb] = False
             shown[mask] += DIM
             shown[[b for b in self.fork_blocks if 0 <= b < f.num_blocks]] = FORK
+        self.spec_marks = spec_marks(f)
         self._draw_cells(shown)
+        self.spec.update(self.spec_marks, self._shape[1], self.cell, self.pitch, f.num_blocks)
         self._set_legend({
             "empty": int(np.count_nonzero(f.state == BLOCK_EMPTY)),
             "cached": int(np.count_nonzero(cached)),
             "in use": int(np.count_nonzero(in_use)),
             "shared": int(np.count_nonzero(shared)),
         })
-        self._fill_table(f)
+        self.table.fill(f, self._slots, self.highlight_rid)
         self._fill_block_table(f)
 
     def _draw_cells(self, idx: np.ndarray) -> None:
@@ -301,50 +284,18 @@ class BlockMapWidget(QWidget):
             else:
                 sw = f'<span style="color:{col}">■</span>'
             parts.append(f"{sw}&nbsp;{label}")
+        if self.frame is not None and DRAFT_TOKENS in self.frame.counters:  # it speculates
+            m = self.spec_marks
+            # blocks the last speculative step drafted to / rolled back in (shown one frame)
+            parts.append(f'<span style="color:{theme.SPEC_DRAFT}">▨</span>&nbsp;drafted '
+                         f"{len(m.drafted)}")
+            parts.append(f'<span style="color:{theme.SPEC_ROLLBACK}">✖</span>&nbsp;rolled back '
+                         f"{len(m.rolled_back)}")
         if self.fork_blocks:
             parts.append(f'<span style="color:{theme.FORK}">■</span>&nbsp;shared with the '
                          f"branch it forked from {len(self.fork_blocks)}")
         bs = f" &nbsp;·&nbsp; block = {self.frame.block_size} tokens" if self.frame else ""
         self.legend.setText("&nbsp;&nbsp;&nbsp;".join(parts) + bs)
-
-    def _fill_table(self, f: Frame) -> None:
-        reqs = [r for r in f.requests if r.status != "finished"]
-        rows = [(r.request_id, origin_label(r.origin, r.request_id), r.status,
-                 str(r.num_prompt_tokens), str(r.num_cached_tokens),
-                 str(r.num_generated_tokens), str(len(r.live_blocks())), constraint_label(r))
-                for r in reqs]
-        now = time.monotonic()
-        # each QTableWidgetItem.setText re-lays the table out: only changed cells, at most 4 Hz
-        if rows == self._rows or (now - self._table_time < 0.25 and
-                                  len(rows) == len(self._rows)):
-            return
-        self._table_time = now
-        self.table.blockSignals(True)
-        if len(rows) != len(self._rows):
-            self.table.setRowCount(len(rows))
-        for row, vals in enumerate(rows):
-            old = self._rows[row] if row < len(self._rows) else None
-            for col, v in enumerate(vals):
-                if old is not None and old[col] == v and self.table.item(row, col) is not None:
-                    continue
-                item = self.table.item(row, col)
-                if item is None:
-                    item = QTableWidgetItem()
-                    self.table.setItem(row, col, item)
-                item.setText(v)
-                if col == len(vals) - 1:
-                    item.setToolTip(constraint_tooltip(reqs[row]))
-                if col == 0:
-                    slot = self._slots.get(v)
-                    if slot is not None:
-                        item.setForeground(self._brushes[slot])
-        self._rows = rows
-        ids = [r[0] for r in rows]
-        if self.highlight_rid in ids:
-            self.table.selectRow(ids.index(self.highlight_rid))
-        else:
-            self.table.clearSelection()
-        self.table.blockSignals(False)
 
     def _fill_block_table(self, f: Frame) -> None:
         rid = self.highlight_rid
@@ -390,7 +341,8 @@ class BlockMapWidget(QWidget):
         return (f"block {b}\nstate: {state}\nref count: {int(f.ref_count[b])}\n"
                 f"owners: {', '.join(owners) if owners else '—'}\n"
                 f"filled: {int(f.filled[b])}/{f.block_size} slots\n"
-                f"hash: {f'{h:08x}' if h else '—'}")
+                f"hash: {f'{h:08x}' if h else '—'}"
+                + (f"\n{spec}" if (spec := spec_tooltip(f, b)) else ""))
 
     def _on_mouse_moved(self, pos: QPointF) -> None:
         b = self.block_at(pos)

@@ -11,6 +11,7 @@ from ui.charts.engine import ChartsWidget
 from ui.engine.synthetic import SyntheticEngine
 from ui.kv import block_map as bm
 from ui.kv.block_map import BlockMapWidget
+from ui.kv.request_table import TABLE_COLUMNS
 from ui.telemetry import BLOCK_CACHED, BLOCK_EMPTY, BLOCK_IN_USE, Frame, History
 
 
@@ -185,7 +186,7 @@ def test_request_table_and_tooltip_name_each_origin(qtbot):
     qtbot.addWidget(w)
     w.set_frame(Frame.from_wire(snap))
     w.redraw()
-    col = bm.TABLE_COLUMNS.index("origin")
+    col = TABLE_COLUMNS.index("origin")
     assert w.table.horizontalHeaderItem(col).text() == "origin"
     shown = {w.table.item(r, 0).text(): w.table.item(r, col).text()
              for r in range(w.table.rowCount())}

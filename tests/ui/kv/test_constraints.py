@@ -9,8 +9,9 @@ import msgspec
 import numpy as np
 
 from ipc import protocol as P
-from ui.kv.block_map import TABLE_COLUMNS, BlockMapWidget
+from ui.kv.block_map import BlockMapWidget
 from ui.kv.constraints import SPARK, constraint_label, sparkline
+from ui.kv.request_table import TABLE_COLUMNS
 from ui.telemetry import Frame
 
 VOCAB = 49152

@@ -14,7 +14,7 @@ import pytest
 from PySide6.QtWidgets import QApplication
 
 from tests.ui.conftest import window_on_tiny_engine
-from ui.kv.block_map import TABLE_COLUMNS
+from ui.kv.request_table import TABLE_COLUMNS
 from ui.window import api_server as api
 from ui.window.main_window import MainWindow, wait_until
 

@@ -336,9 +336,28 @@ def test_speculative_decoding_menu_restarts_the_engine_and_replies_stay_the_same
     assert counters["spec_decode_num_draft_tokens"] > 0
     qtbot.waitUntil(lambda: win.status.tiers_label.text().startswith("speculation: "))
     assert win.status.tiers_label.text() == spec_counters_text(win.history.latest.counters)
+    # the reply's own counts (its Finish) against the engine's aggregate counters, which since
+    # the restart count this one request alone: counted apart, they must agree
+    stats = spec.messages[-1].stats
+    qtbot.waitUntil(lambda: win.history.latest.counters["spec_decode_num_draft_tokens"]
+                    == stats.get("draft_tokens"), timeout=10_000)  # fmt: skip
+    counters = win.history.latest.counters
+    accepted = counters["spec_decode_num_accepted_tokens"]
+    assert stats["accepted_draft_tokens"] == accepted
+    drafted = stats["draft_tokens"]
+    assert (f"drafts {accepted:.0f}/{drafted} accepted ({accepted / drafted:.0%})"
+            in win.chat._view_for(spec.messages[-1]).stats.text())
+    win.charts.refresh(win.history)
+    assert not win.charts.spec.isHidden()  # the chart shows while the engine speculates
+    assert win.charts.spec.bars.opts["height"][0] == counters[
+        "spec_decode_num_accepted_tokens_per_pos:0"]
     win.set_speculative_tokens(0)  # back, for whatever runs next in this module
     qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
                     and "--speculative-config" not in win.supervisor.command, timeout=180_000)
+    qtbot.waitUntil(lambda: win.history.latest is not None
+                    and "spec_decode_num_drafts" not in win.history.latest.counters)
+    win.charts.refresh(win.history)
+    assert win.charts.spec.isHidden()
     with pytest.raises(ValueError, match="speculative tokens must be one of"):
         win.set_speculative_tokens(3)
 
