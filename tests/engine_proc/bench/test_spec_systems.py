@@ -38,10 +38,11 @@ def test_kvscope_spec_takes_the_workloads_speculative_config() -> None:
     assert engine_config_for("kvscope", _workload(1, NGRAM), _args()).speculative_config is None
     with pytest.raises(ValueError, match="meta.speculative_config"):
         engine_config_for("kvscope-spec", _workload(1), _args())
-    # A draft model goes to the engine as given: it says whether it can run one.
-    with pytest.raises(ValueError, match="speculative_config"):
-        engine_config_for("kvscope-spec", _workload(1, {"model": "/nowhere/draft.gguf",
-                                                        "num_speculative_tokens": 4}), _args())
+    # A draft model goes to the engine as given (the engine loads it, or says why not).
+    draft = {"model": "/nowhere/draft.gguf", "num_speculative_tokens": 4}
+    config = engine_config_for("kvscope-spec", _workload(1, draft), _args())
+    assert config.speculative_config == SpeculativeConfig("draft_model", 4,
+                                                          model="/nowhere/draft.gguf")
 
 
 def test_requests_may_end_at_eos() -> None:

@@ -167,3 +167,15 @@ def test_a_draft_with_another_tokenizer_is_refused(target_path, other_draft_path
         make(target_path, other)
     with pytest.raises(ValueError, match="the draft model '.*nowhere' does not load"):
         make(target_path, tmp_path / "nowhere")
+
+
+def test_parallel_sampling_forks_draft_each_their_own(plain, with_other) -> None:
+    """n = 3: after the fork each sequence is its own request of the draft engine."""
+    p = SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=9, logit_bias=ALPHABET,
+                       ignore_eos=True)  # fmt: skip
+    drafts = with_other.stats.spec_decode.num_drafts
+    got = run(with_other, [PROMPTS[1]], [p])
+    assert [o.token_ids for o in got] == [o.token_ids for o in run(plain, [PROMPTS[1]], [p])]
+    assert len({tuple(o.token_ids) for o in got}) > 1  # the forks sampled apart
+    assert with_other.stats.spec_decode.num_drafts > drafts
+    assert_draft_pool_free(with_other)
