@@ -8,7 +8,11 @@ opting out per request (`SamplingParams.speculative=False`), interleaved. Greedy
 checked equal (speculation is exact). Decode steps only: timing starts once every stream has its
 first token. Acceptance from the engine's spec_decode counters. The prompts live in
 engine_proc/bench/spec_prompts.py; `python -m app.bench --workloads spec-ngram` runs the same
-prompts across systems (llama.cpp and its prompt lookup too)."""
+prompts across systems (llama.cpp and its prompt lookup too).
+
+With `--draft-model PATH` the drafts come from that model instead:
+`--draft-model <the default GGUF> --decode-weights dense` serves full-precision replies drafted
+by their own 4-bit copy, the one draft-model setting this machine's single model allows."""
 
 from __future__ import annotations
 
@@ -56,11 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-weights", default="auto", choices=("auto", "dense", "int4"),
                     help="auto: 4-bit on a CPU, as the app and serve start")
     ap.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
+    ap.add_argument("--draft-model", default=None, metavar="PATH",
+                    help="drafts from this model (same tokenizer) instead of prompt lookup; "
+                    "the draft runs 4-bit weights where it can, so `--decode-weights dense "
+                    "--draft-model` on the default GGUF gives full-precision replies drafted "
+                    "by their own 4-bit copy")  # fmt: skip
+    ap.add_argument("--model", default=None, help="the target model (default: SmolLM2-135M)")
     args = ap.parse_args(argv)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    spec: dict = {"method": "ngram", "num_speculative_tokens": args.k}
+    if args.draft_model is not None:
+        spec = {"model": args.draft_model, "num_speculative_tokens": args.k}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=max(args.streams),
+    engine = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads,
+                                    max_num_seqs=max(args.streams),
                                     decode_step=args.decode_step,
                                     decode_weights=args.decode_weights,
                                     speculative_config=spec))
