@@ -10,21 +10,19 @@
     kvscope models ...           the models on this machine and what they need (app.models.catalog)
 
 GUI extras: `--screenshot OUT.png [--load N]` renders the window under load to a PNG and exits;
-`--measure-latency SECONDS [--load 32]` prints the GUI event-loop latency percentiles;
+`--measure-latency SECONDS [--load 32] [--measure-reply 128]` prints the GUI event-loop latency
+percentiles (and a chat reply's tok/s alone and under the load);
 `--demo` drives every panel from a synthetic engine (no model, no torch).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import logging
 import os
 import shlex
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="measure GUI event-loop latency for S seconds (use with --load 32), "
         "print percentiles, exit",
+    )
+    g.add_argument(
+        "--measure-reply",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="with --measure-latency: also time a greedy chat reply of up to TOKENS tokens "
+        "alone, then another under the --load, with the event loop's latency during each",
     )
     t.add_argument(
         "--refresh-hz", type=float, default=10.0, help="chart and block map redraw rate (10-30)"
@@ -258,12 +264,15 @@ def run_gui(args: argparse.Namespace) -> int:
     win.show()
     win.start_engine()
     app.aboutToQuit.connect(win.shutdown)
+    from app import headless
+
     if args.screenshot:
-        return _screenshot(app, win, Path(args.screenshot), args)
+        return headless.screenshot(app, win, Path(args.screenshot), args)
     if args.measure_latency is not None:
-        return _measure(app, win, args)
+        return headless.measure(app, win, args)
     if args.load:
-        _when_ready(win, lambda: _start_load(win, args.load, args.load_max_tokens))
+        headless.when_ready(win, lambda: headless.start_load(win, args.load,
+                                                             args.load_max_tokens))
     return app.exec()
 
 
@@ -365,165 +374,6 @@ def _kv_options(settings, ddir: Path | None) -> dict[str, Any]:
         "kv_disk_bytes": disk or None,
         "kv_disk_dir": str(Path(ddir) / KV_DISK_SUBDIR) if disk and ddir is not None else None,
     }
-
-
-def _when_ready(win, fn) -> None:
-    from PySide6.QtCore import QTimer
-
-    def check() -> None:
-        if win.state in ("ready", "busy"):
-            timer.stop()
-            fn()
-
-    timer = QTimer(win)
-    timer.timeout.connect(check)
-    timer.start(100)
-
-
-def _start_load(win, n: int, max_tokens: int = 96) -> None:
-    from app.load_generator import LoadConfig
-
-    lo = max(1, max_tokens // 6)
-    cfg = LoadConfig(
-        concurrency=n,
-        system_prompt_tokens=win.load_panel.system_tokens.value(),
-        min_output_tokens=lo,
-        max_output_tokens=max(lo, max_tokens),
-    )
-    lp = win.load_panel
-    lp.concurrency.setValue(n)
-    lp.min_out.setValue(cfg.min_output_tokens)
-    lp.max_out.setValue(cfg.max_output_tokens)
-    win.start_load(cfg)
-
-
-def _screenshot(app, win, out: Path, args) -> int:
-    from ui.window.main_window import wait_until
-
-    try:
-        if not wait_until(
-            lambda: win.state in ("ready", "busy", "disconnected"), args.timeout, app
-        ):
-            print("screenshot: the engine did not become ready in time", file=sys.stderr)
-        if win.state in ("ready", "busy"):
-            wait_until(lambda: False, 1.0, app)  # let the telemetry subscription join first
-            chat = win.chat
-            if not chat.current.messages:
-                chat.input.setPlainText("In two sentences: what is a paged KV cache?")
-                chat.send_current()
-            if args.load:
-                _start_load(win, args.load, args.load_max_tokens)
-            wait_until(lambda: False, args.settle, app)
-            reqs = win.history.latest.requests if win.history.latest else []
-            if chat.current is not None and chat.busy():
-                pass  # the conversation's own request is highlighted already
-            elif reqs:
-                win.block_map.highlight_request(reqs[0].request_id)
-        app.processEvents()
-        win.redraw_now()
-        app.processEvents()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        ok = win.grab().save(str(out))
-        print(f"screenshot: {out} ({'ok' if ok else 'FAILED'}, engine {win.state})")
-        return 0 if ok else 1
-    finally:
-        win.shutdown()
-        win.close()
-
-
-def _measure(app, win, args) -> int:
-    from ui.latency import LatencyProbe
-    from ui.window.main_window import wait_until
-
-    try:
-        if not wait_until(lambda: win.state in ("ready", "busy"), args.timeout, app):
-            print("measure-latency: the engine did not become ready", file=sys.stderr)
-            return 1
-        # baseline: the same machine and window, engine connected, no load
-        probe = LatencyProbe()
-        probe.start()
-        _run_loop_for(app, 3.0)
-        probe.stop()
-        base = probe.result()
-        if args.load:
-            _start_load(win, args.load, args.load_max_tokens)
-        wait_until(lambda: False, 2.0, app)  # let the load ramp up
-        probe = LatencyProbe()
-        for d in win.perf.values():
-            d.clear()
-        gc_pauses = _track_gc_pauses(win.perf)
-        probe.start()
-        frames0 = win._frames_seen
-        cpu0 = time.process_time()
-        t0 = time.monotonic()
-        _run_loop_for(app, args.measure_latency)
-        probe.stop()
-        gc.callbacks.remove(gc_pauses)
-        el = time.monotonic() - t0
-        cpu = (time.process_time() - cpu0) / el
-        r = probe.result()
-        hz = (win._frames_seen - frames0) / el
-        print(
-            f"GUI event-loop latency over {el:.1f} s, load {args.load} chats, telemetry "
-            f"{hz:.1f} Hz received, redraw {args.refresh_hz:g} Hz:"
-        )
-        print(
-            f"  under load: samples {r['n']}  p50 {r['p50']:.1f} ms  p90 {r['p90']:.1f} ms  "
-            f"p99 {r['p99']:.1f} ms  max {r['max']:.1f} ms  (target p99 < 50 ms)"
-        )
-        print(
-            f"  idle baseline (3 s, no load): p50 {base['p50']:.1f} ms  p99 {base['p99']:.1f} ms"
-            f"  max {base['max']:.1f} ms"
-        )
-        import numpy as np
-
-        for name, d in win.perf.items():
-            if d:
-                a = np.asarray(d) * 1e3
-                capped = getattr(d, "maxlen", None) == len(a)  # a deque keeps the last N only
-                busy = (
-                    f"the last {len(a):,} calls"
-                    if capped
-                    else f"{len(a)} calls, busy {a.sum() / el / 10:.1f}% of the time"
-                )
-                print(
-                    f"  GUI handler '{name}': mean {a.mean():.1f} ms, p99 "
-                    f"{np.percentile(a, 99):.1f} ms over {busy}"
-                )
-        print(
-            f"  GUI process CPU: {cpu * 100:.0f}% of one core (all its threads); machine load "
-            f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-        )
-        if win.load_panel.stats.text():
-            print(f"  load generator: {win.load_panel.stats.text()}")
-        return 0
-    finally:
-        win.shutdown()
-        win.close()
-
-
-def _track_gc_pauses(perf: dict) -> Callable[[str, dict], None]:
-    """Time the garbage collector's passes (any thread's) into perf['gc gen N']."""
-    started: list[float] = []
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            started[:] = [time.perf_counter()]
-        elif started:
-            perf.setdefault(f"gc gen {info['generation']}", []).append(
-                time.perf_counter() - started[0]
-            )
-
-    gc.callbacks.append(on_gc)
-    return on_gc
-
-
-def _run_loop_for(app, seconds: float) -> None:
-    from PySide6.QtCore import QEventLoop, QTimer
-
-    loop = QEventLoop()
-    QTimer.singleShot(int(seconds * 1000), loop.quit)
-    loop.exec()
 
 
 if __name__ == "__main__":

@@ -91,7 +91,11 @@ def gui_engine_threads(cpuinfo: str | None = None, logical: int | None = None) -
     """Torch threads for an engine that shares the machine with the GUI: the physical cores,
     less one when that leaves the GUI no core of its own. Measured on 2 cores with the window
     drawing: 1 engine thread gave 21-23 tok/s, 2 threads 18-19 (a parallel region waits for
-    its slowest thread, and the GUI keeps preempting one)."""
+    its slowest thread, and the GUI keeps preempting one). Again with the fused step
+    (`python -m app.bench.window_threads`, 2 Zen 1 vCPUs, medians of 2): a reply alone 79.8
+    tok/s with 1 thread, 80.4 with 2 (1.01x); under 16 load chats 11.6 vs 12.4 (1.07x), the
+    load 188 vs 193 tok/s (1.03x); the event loop's p99 22 -> 29 ms alone and 10 -> 15 ms
+    under load (1.30x, 1.53x). Two threads buy nothing worth a slower window here."""
     if logical is None:
         try:
             logical = len(os.sched_getaffinity(0))
