@@ -1,7 +1,7 @@
 """The fused CPU decode step on the families beyond Llama's layer (Qwen3's q/k head norms;
 Gemma 3's sliding-window layers over the hybrid KV cache, local rotary base, sandwich norms,
-GELU-tanh MLP, scaled embeddings and attention scale), against transformers' own float32
-forward and generate() of the same weights.
+GELU-tanh MLP, scaled embeddings and attention scale; Mistral's window on every layer),
+against transformers' own float32 forward and generate() of the same weights.
 
 The tiny checkpoints' linear weights are snapped to 4-bit Q4_1 levels and the output
 projection to bfloat16 values, so the int4 engine's 4-bit copies are lossless and its precise
@@ -44,6 +44,13 @@ GEMMA3_LAYOUTS = {
     "window21-mqa-hd32": {"num_heads": 4, "num_kv_heads": 1, "head_dim": 32, "num_layers": 3,
                           "sliding_window": 21, "tie_word_embeddings": True},
 }  # fmt: skip
+# Mistral: a sliding window on every layer (no full-attention group), shorter than the prompt
+MISTRAL_LAYOUTS = {
+    "window8-gqa": {"num_heads": 4, "num_kv_heads": 2, "num_layers": 2, "sliding_window": 8},
+    "window13-mqa-hd32": {"num_heads": 4, "num_kv_heads": 1, "head_dim": 32, "num_layers": 2,
+                          "sliding_window": 13},
+}  # fmt: skip
+ALL_LAYOUTS = {"qwen3": QWEN3_LAYOUTS, "gemma3": GEMMA3_LAYOUTS, "mistral": MISTRAL_LAYOUTS}
 _snapped: dict[str, object] = {}
 
 
@@ -101,7 +108,8 @@ def _reference_greedy(ref, prompt: list[int]) -> list[int]:
 
 
 LAYOUTS = [("qwen3", name, 16) for name in QWEN3_LAYOUTS] + [
-    ("gemma3", name, bs) for name in GEMMA3_LAYOUTS for bs in (16, 7)
+    (arch, name, bs) for arch in ("gemma3", "mistral") for name in ALL_LAYOUTS[arch]
+    for bs in (16, 7)
 ]
 
 
@@ -111,12 +119,14 @@ LAYOUTS = [("qwen3", name, 16) for name in QWEN3_LAYOUTS] + [
 def test_fused_steps_compute_transformers_forward(
     extension, tmp_path_factory, monkeypatch, arch, layout, block_size
 ):
-    params = (QWEN3_LAYOUTS | GEMMA3_LAYOUTS)[layout]
+    params = ALL_LAYOUTS[arch][layout]
     path = snapped_dir(tmp_path_factory, arch, **params)
     ref = hf_reference_model(path)
     engine = _engine(path, "fused", block_size)
-    if "sliding_window" in params:  # the hybrid cache: sliding groups released blocks
+    if "layer_types" in params or arch == "gemma3":  # the hybrid cache: sliding groups
         assert engine.runner.layout is not None and engine.runner.layout.is_hybrid
+    # (Mistral's window on every layer keeps one table; the attention masks the window, which
+    # the 45-token prompt against windows of 8 and 13 puts to the test below)
     step = engine.runner.fused.step
     assert engine.runner.fused.state == "fused" and step is not None
     rows: dict[int, torch.Tensor] = {}  # position -> the fused step's final-norm hidden state
@@ -143,13 +153,14 @@ def test_fused_steps_compute_transformers_forward(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "layout"), [("qwen3", "gqa"), ("gemma3", "window8-gqa")])
+@pytest.mark.parametrize(("arch", "layout"), [("qwen3", "gqa"), ("gemma3", "window8-gqa"),
+                                             ("mistral", "window8-gqa")])
 def test_batched_fused_decoding_gives_the_eager_and_reference_tokens(
     extension, tmp_path_factory, arch, layout
 ):
     """Three sequences a step (precise products), the same tokens as the eager int4 engine and
     as generate() one prompt at a time."""
-    path = snapped_dir(tmp_path_factory, arch, **(QWEN3_LAYOUTS | GEMMA3_LAYOUTS)[layout])
+    path = snapped_dir(tmp_path_factory, arch, **ALL_LAYOUTS[arch][layout])
     ref = hf_reference_model(path)
     prompts = [PROMPT[:20], PROMPT[20:27], [5] * 18]
     fused, eager = _engine(path, "fused"), _engine(path, "eager")
