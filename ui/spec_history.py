@@ -9,12 +9,16 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ui.telemetry import Frame
+
+class Frame(Protocol):
+    """What a history reads of a ui.telemetry.Frame (that module holds a SpecHistory)."""
+
+    counters: dict[str, float]
+
 
 DRAFTS = "spec_decode_num_drafts"
 DRAFT_TOKENS = "spec_decode_num_draft_tokens"

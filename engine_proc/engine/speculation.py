@@ -4,15 +4,13 @@ sequences may speculate, and the draft model's batched run before each step."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from engine_proc.config import EngineConfig, SpeculativeConfig
+from engine_proc.core.kv_groups import KVLayout
 from engine_proc.core.request import Sequence
+from engine_proc.engine.parts import EngineParts
 from engine_proc.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
 from engine_proc.spec_decode.ngram import NgramProposer
-
-if TYPE_CHECKING:
-    from engine_proc.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +31,13 @@ def longrope_original(config) -> int | None:
     return int(scaling["original_max_position_embeddings"])
 
 
-class Speculation:
+class Speculation(EngineParts):
     """Mixin of LLMEngine (the attributes it reads are set in LLMEngine.__init__)."""
 
-    def _speculation(self: LLMEngine, config: EngineConfig) -> Proposer | None:
+    proposer: Proposer | None
+    kv_layout: KVLayout
+
+    def _speculation(self, config: EngineConfig) -> Proposer | None:
         spec = config.speculative_config
         if spec is None:
             return None
@@ -58,7 +59,7 @@ class Speculation:
             )
         return DraftModelProposer(self._draft_engine(config, spec), spec.num_speculative_tokens)
 
-    def _draft_engine(self: LLMEngine, config: EngineConfig, spec: SpeculativeConfig):
+    def _draft_engine(self, config: EngineConfig, spec: SpeculativeConfig):
         """The draft model's engine: the target's device, dtype, decode step and limits, a pool
         of the same bytes (a smaller model's tokens take fewer), prefix caching on (it is what
         spares recomputing each sequence's history every step), and the fastest decode weights
@@ -85,17 +86,17 @@ class Speculation:
                     draft.kv_bytes_per_token)  # fmt: skip
         return draft
 
-    def _may_speculate(self: LLMEngine, seq: Sequence) -> bool:
+    def _may_speculate(self, seq: Sequence) -> bool:
         """Not for its own opt-out, nor structured output (its grammar state would have to roll
         back with the rejected drafts). Penalties, logit_bias, logprobs, seeds and n > 1 (after
         the fork) speculate exactly."""
         return seq.params.speculative and seq.params.structured is None
 
-    def _batch_too_wide(self: LLMEngine) -> bool:
+    def _batch_too_wide(self) -> bool:
         limit = self.config.speculative_config.disable_by_batch_size
         return bool(limit) and len(self.scheduler.running) > limit  # see config.py
 
-    def _propose(self: LLMEngine, seq: Sequence, k: int) -> list[int]:
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
         """The scheduler's drafts for seq: at most k, or [] where it may not speculate."""
         proposer = self.proposer
         assert proposer is not None
@@ -124,7 +125,7 @@ class Speculation:
             return True
         return False
 
-    def _prepare_drafts(self: LLMEngine) -> None:
+    def _prepare_drafts(self) -> None:
         """A draft model's drafts for every running sequence about to decode, in one batched
         run of the draft engine before the scheduler asks for them one by one."""
         proposer = self.proposer

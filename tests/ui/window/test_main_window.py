@@ -365,7 +365,8 @@ def test_speculative_decoding_menu_restarts_the_engine_and_replies_stay_the_same
 def test_a_draft_model_from_the_menu_proposes_and_replies_stay_the_same(win, qtbot, tmp_path):
     """*Speculative decoding → Draft model…*: the Models dialog picks the draft (its button says
     so), the engine restarts with vLLM's {"model": PATH, ...}, a greedy reply is the plain one,
-    and the draft (a copy of the chat model: same tokenizer) has most drafts accepted."""
+    and the draft (a copy of the chat model: same tokenizer; the draft engine runs it with
+    4-bit weights where it can, so a near-tie may fall the other way) has most accepted."""
     import subprocess
     import sys
 
@@ -397,7 +398,7 @@ def test_a_draft_model_from_the_menu_proposes_and_replies_stay_the_same(win, qtb
     qtbot.waitUntil(lambda: not win.chat.busy(spec.id), timeout=60_000)
     assert spec.messages[-1].content == plain.messages[-1].content
     counters = win.history.latest.counters
-    assert counters["spec_decode_num_accepted_tokens"] >= 0.9 * counters[
+    assert counters["spec_decode_num_accepted_tokens"] >= 0.5 * counters[
         "spec_decode_num_draft_tokens"] > 0  # fmt: skip
     win.set_speculative_tokens(0)  # back, for whatever runs next in this module
     menus.set_draft_model(None)
