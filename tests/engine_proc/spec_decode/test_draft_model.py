@@ -14,6 +14,7 @@ from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from tests.engine_proc.spec_decode.test_engine_spec import (
     ALPHABET,
     PROMPTS,
+    hf_alphabet_greedy,
     params_list,
     run,
     spec_counts,
@@ -123,7 +124,6 @@ def test_chunked_prefill_prefix_caching_and_preemption(target_path, other_draft_
 
 
 def test_greedy_matches_transformers(with_other, target_path) -> None:
-    import torch
 
     from tests.tiny_models import hf_reference_model
 
@@ -133,12 +133,7 @@ def test_greedy_matches_transformers(with_other, target_path) -> None:
                              logit_bias=ALPHABET)] * len(prompts)  # fmt: skip
     got = run(with_other, prompts, params)
     for prompt, g in zip(prompts, got, strict=True):
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=2,
-            sequence_bias={(t,): b for t, b in ALPHABET.items()},
-        )  # fmt: skip
-        assert g.token_ids == out[0, len(prompt) :].tolist()
+        assert g.token_ids == hf_alphabet_greedy(model, prompt, 24)
 
 
 def test_opt_out_and_wide_batches_skip_the_draft_model(target_path, other_draft_path) -> None:

@@ -221,10 +221,21 @@ def test_speculation_off_for_structured_output(engines) -> None:
     assert out.token_ids and spec.stats.spec_decode.num_drafts == before
 
 
+def hf_alphabet_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate() of n tokens with ALPHABET's bias (its sequence_bias)."""
+    import torch
+
+    out = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2,
+        sequence_bias={(t,): b for t, b in ALPHABET.items()},
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 def test_greedy_matches_transformers(engines, tiny_path) -> None:
     """Against an independent reference: transformers' greedy generate() of the same model,
     with the same bias on the alphabet (its sequence_bias)."""
-    import torch
 
     from tests.tiny_models import hf_reference_model
 
@@ -236,12 +247,7 @@ def test_greedy_matches_transformers(engines, tiny_path) -> None:
     drafted, accepted = spec_counts(spec)
     got = run(spec, prompts, params)
     for prompt, g in zip(prompts, got, strict=True):
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=2,
-            sequence_bias={(t,): b for t, b in ALPHABET.items()},
-        )  # fmt: skip
-        assert g.token_ids == out[0, len(prompt) :].tolist()
+        assert g.token_ids == hf_alphabet_greedy(model, prompt, 24)
     drafted2, accepted2 = spec_counts(spec)
     assert accepted2 > accepted and drafted2 - drafted > accepted2 - accepted
 
