@@ -13,9 +13,11 @@ import pytest
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from tests.engine_proc.spec_decode.test_engine_spec import (
     ALPHABET,
+    PRESSURE,
     PROMPTS,
     hf_alphabet_greedy,
     params_list,
+    pressure_requests,
     run,
     spec_counts,
 )
@@ -104,13 +106,9 @@ def test_the_target_as_its_own_draft_is_nearly_always_right(target_path, plain) 
 
 
 def test_chunked_prefill_prefix_caching_and_preemption(target_path, other_draft_path) -> None:
-    config = dict(num_kv_blocks=40, long_prefill_chunk=8, max_num_batched_tokens=24)
-    base = make(target_path, **config)
-    spec = make(target_path, other_draft_path, **config)
-    long_prompt = list(range(1000, 1060)) + [500, 501, 502] * 3
-    prompts = [long_prompt, PROMPTS[0], long_prompt[:40] + [500, 502], PROMPTS[1]]
-    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                             logit_bias=ALPHABET)] * 4  # fmt: skip
+    base = make(target_path, **PRESSURE)
+    spec = make(target_path, other_draft_path, **PRESSURE)
+    prompts, params = pressure_requests()
     want = run(base, prompts, params)
     got = run(spec, prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]

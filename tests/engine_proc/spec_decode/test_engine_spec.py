@@ -189,15 +189,25 @@ def test_parallel_sampling_forks(engines) -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_chunked_prefill_prefix_caching_and_preemption(tiny_path) -> None:
-    """A long prompt in small chunks beside decodes, a shared prefix hit, and a pool small
-    enough to preempt: the same tokens, nothing leaked."""
-    config = dict(num_kv_blocks=40, long_prefill_chunk=8, max_num_batched_tokens=24)
-    base, spec = make(tiny_path, False, **config), make(tiny_path, True, **config)
+# Small chunks, a small token budget and a pool of 40 blocks: prompts split beside decodes, a
+# shared prefix, preemption.
+PRESSURE = dict(num_kv_blocks=40, long_prefill_chunk=8, max_num_batched_tokens=24)
+
+
+def pressure_requests() -> tuple[list[list[int]], list[SamplingParams]]:
     long_prompt = list(range(1000, 1060)) + [500, 501, 502] * 3
     prompts = [long_prompt, PROMPTS[0], long_prompt[:40] + [500, 502], PROMPTS[1]]
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
                              logit_bias=ALPHABET)] * 4  # fmt: skip
+    return prompts, params
+
+
+def test_chunked_prefill_prefix_caching_and_preemption(tiny_path) -> None:
+    """A long prompt in small chunks beside decodes, a shared prefix hit, and a pool small
+    enough to preempt: the same tokens, nothing leaked."""
+    base = make(tiny_path, False, **PRESSURE)
+    spec = make(tiny_path, True, **PRESSURE)
+    prompts, params = pressure_requests()
     want = run(base, prompts, params)
     got = run(spec, prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]

@@ -307,6 +307,22 @@ def test_an_edited_branch_takes_the_shared_history_from_the_prefix_cache(win, qt
     assert "reused from the earlier branch" in win.chat._view_for(reply).stats.text()
 
 
+def _greedy_reply(win: MainWindow, qtbot, prompt: str, max_tokens: int):
+    """A new conversation's greedy reply to prompt, finished; the conversation."""
+    _greedy(win, max_tokens)
+    _send(win, prompt)
+    conv = win.chat.current
+    qtbot.waitUntil(lambda: not win.chat.busy(conv.id), timeout=60_000)
+    return conv
+
+
+def _restarted(win: MainWindow, qtbot, speculative: bool) -> None:
+    """Wait for the engine restarted with (or without) a --speculative-config to be ready."""
+    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
+                    and ("--speculative-config" in win.supervisor.command) == speculative,
+                    timeout=180_000)  # fmt: skip
+
+
 def test_speculative_decoding_menu_restarts_the_engine_and_replies_stay_the_same(win, qtbot):
     """*Engine → Speculative decoding → n-gram, 4*: the engine restarts with vLLM's
     --speculative-config, and a greedy reply is the one it gave without speculation (exact)."""
@@ -319,16 +335,12 @@ def test_speculative_decoding_menu_restarts_the_engine_and_replies_stay_the_same
     plain = win.chat.current
     qtbot.waitUntil(lambda: not win.chat.busy(plain.id), timeout=60_000)
     win.spec_actions[4].trigger()
-    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
-                    and "--speculative-config" in win.supervisor.command, timeout=180_000)
+    _restarted(win, qtbot, speculative=True)
     i = win.supervisor.command.index("--speculative-config")
     assert json.loads(win.supervisor.command[i + 1]) == {"method": "ngram",
                                                          "num_speculative_tokens": 4}
     assert win.settings.value("engine/speculative_tokens") in (4, "4")
-    _greedy(win, 160)
-    _send(win, prompt)
-    spec = win.chat.current
-    qtbot.waitUntil(lambda: not win.chat.busy(spec.id), timeout=60_000)
+    spec = _greedy_reply(win, qtbot, prompt, 160)
     assert spec.messages[-1].content == plain.messages[-1].content
     counters = win.history.latest.counters
     assert "spec_decode_num_drafts" in counters  # the engine counts (vLLM's names)
@@ -352,8 +364,7 @@ def test_speculative_decoding_menu_restarts_the_engine_and_replies_stay_the_same
     assert win.charts.spec.bars.opts["height"][0] == counters[
         "spec_decode_num_accepted_tokens_per_pos:0"]
     win.set_speculative_tokens(0)  # back, for whatever runs next in this module
-    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
-                    and "--speculative-config" not in win.supervisor.command, timeout=180_000)
+    _restarted(win, qtbot, speculative=False)
     qtbot.waitUntil(lambda: win.history.latest is not None
                     and "spec_decode_num_drafts" not in win.history.latest.counters)
     win.charts.refresh(win.history)
@@ -377,33 +388,25 @@ def test_a_draft_model_from_the_menu_proposes_and_replies_stay_the_same(win, qtb
     menus = win.option_menus
     assert menus.ngram_action.isChecked() and menus.draft_action.text() == "Draft model…"
     prompt = "Name three colours."
-    _greedy(win, 40)
-    _send(win, prompt)
-    plain = win.chat.current
-    qtbot.waitUntil(lambda: not win.chat.busy(plain.id), timeout=60_000)
+    plain = _greedy_reply(win, qtbot, prompt, 40)
     menus.choose_draft_model()
     dialog = menus.draft_dialog
     assert dialog.load_button.text() == "Use as draft model"
     dialog.load_requested.emit(str(draft / "config.json"))  # what *Use* sends for a row
-    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
-                    and "--speculative-config" in win.supervisor.command, timeout=180_000)
+    _restarted(win, qtbot, speculative=True)
     i = win.supervisor.command.index("--speculative-config")
     assert json.loads(win.supervisor.command[i + 1]) == {"model": str(draft),
                                                          "num_speculative_tokens": 4}
     assert win.settings.value("engine/draft_model") == str(draft)
     assert menus.draft_action.isChecked() and menus.draft_action.text() == "Draft model: draft…"
-    _greedy(win, 40)
-    _send(win, prompt)
-    spec = win.chat.current
-    qtbot.waitUntil(lambda: not win.chat.busy(spec.id), timeout=60_000)
+    spec = _greedy_reply(win, qtbot, prompt, 40)
     assert spec.messages[-1].content == plain.messages[-1].content
     counters = win.history.latest.counters
     assert counters["spec_decode_num_accepted_tokens"] >= 0.5 * counters[
         "spec_decode_num_draft_tokens"] > 0  # fmt: skip
     win.set_speculative_tokens(0)  # back, for whatever runs next in this module
     menus.set_draft_model(None)
-    qtbot.waitUntil(lambda: win.welcome is not None and win.state in ("ready", "busy")
-                    and "--speculative-config" not in win.supervisor.command, timeout=180_000)
+    _restarted(win, qtbot, speculative=False)
     assert menus.ngram_action.isChecked()
     with pytest.raises(ValueError, match="neither a .gguf file nor a folder"):
         menus.set_draft_model(str(tmp_path / "nothing-here"))
