@@ -271,16 +271,20 @@ class KVCacheManager:
         keep the K/V of all but its newest token (the confirmed drafts' K/V is its own, the
         rejected ones' is forgotten), free the blocks only rejected drafts filled, and index
         the blocks the confirmed drafts filled."""
-        assert len(self.windows) == 1, "speculative decoding with KV groups"
         keep = seq.num_tokens - 1
         assert num_known <= keep + 1 and keep <= seq.num_computed_tokens, (num_known, keep)
         num_blocks = self.num_blocks_for(keep)
-        for block_id in reversed(seq.block_table[num_blocks:]):
-            block = self.pool.blocks[block_id]
-            # never indexed (allocate hashes known tokens only) and never shared (fresh)
-            assert block.block_hash is None and block.ref_count == 1, block
-            self.pool.free(block)
-        del seq.block_table[num_blocks:]
+        # Every group alike: a sliding group's window only moves forward (keep is past what was
+        # computed before the step), so its released blocks stay released.
+        for table in (seq.block_table, *seq.group_tables):
+            for block_id in reversed(table[num_blocks:]):
+                if block_id == NO_BLOCK:
+                    continue
+                block = self.pool.blocks[block_id]
+                # never indexed (allocate hashes known tokens only) and never shared (fresh)
+                assert block.block_hash is None and block.ref_count == 1, block
+                self.pool.free(block)
+            del table[num_blocks:]
         seq.num_computed_tokens = keep
         self._cache_full_blocks(seq, num_known // self.block_size, keep // self.block_size)
 

@@ -42,15 +42,10 @@ class Speculation(EngineParts):
         if spec is None:
             return None
         assert isinstance(spec, SpeculativeConfig)
-        # Not built yet: rolling back the drafts' K/V in a hybrid cache's sliding groups, and
-        # drafts that cross LongRoPE's switch to the long factors.
-        lacks = [what for present, what in (
-            (self.kv_layout.is_hybrid, "a hybrid KV cache (sliding-window groups)"),
-            (longrope_original(self.model_config) is not None, "LongRoPE"),
-        ) if present]  # fmt: skip
-        if lacks:
-            logger.warning("speculative decoding is off: %s has %s",
-                           self.model_config.architecture, " and ".join(lacks))  # fmt: skip
+        # Not built yet: drafts that cross LongRoPE's switch to the long factors.
+        if longrope_original(self.model_config) is not None:
+            logger.warning("speculative decoding is off: %s has LongRoPE",
+                           self.model_config.architecture)  # fmt: skip
             return None
         logger.info("speculative decoding: %s", spec)
         if spec.method == "ngram":
