@@ -54,7 +54,7 @@ COMMON_FIELDS = frozenset(
         "logit_bias", "logprobs", "ignore_eos", "stop_token_ids", "cache_salt",
         "skip_special_tokens", "include_stop_str_in_output", "best_of", "echo",
         "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "grammar",
+        "grammar", "speculative",
     }
 )  # fmt: skip
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -255,6 +255,8 @@ def _fill_common(
         logit_bias=_logit_bias(body),
         logprobs=top,
         structured=structured_of(body, plan.kind),  # app/api/structured.py
+        # KVScope's own: false keeps this request out of speculative decoding (same output)
+        speculative=_bool(body, "speculative", True),
     )
 
 

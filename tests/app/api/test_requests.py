@@ -40,6 +40,9 @@ def test_defaults_chat_runs_to_the_context_and_completions_to_16_tokens() -> Non
         == 512
     )
     assert parse_completion({"prompt": "x"}, LIMITS).sampling.max_tokens == 16
+    assert parse_completion({"prompt": "x"}, LIMITS).sampling.speculative is True
+    assert parse_completion({"prompt": "x", "speculative": False},
+                            LIMITS).sampling.speculative is False  # fmt: skip
     plan = parse_completion({"prompt": [[1, 2], [3]], "logprobs": 0}, LIMITS)
     assert plan.prompts == [[1, 2], [3]] and plan.sampling.logprobs == 0
 
@@ -55,6 +58,7 @@ def test_defaults_chat_runs_to_the_context_and_completions_to_16_tokens() -> Non
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "x", "speculative": "no"}, "speculative"),
     ],
 )
 def test_bad_values_name_their_field(body, param) -> None:
