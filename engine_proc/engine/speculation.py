@@ -42,11 +42,6 @@ class Speculation(EngineParts):
         if spec is None:
             return None
         assert isinstance(spec, SpeculativeConfig)
-        # Not built yet: drafts that cross LongRoPE's switch to the long factors.
-        if longrope_original(self.model_config) is not None:
-            logger.warning("speculative decoding is off: %s has LongRoPE",
-                           self.model_config.architecture)  # fmt: skip
-            return None
         logger.info("speculative decoding: %s", spec)
         if spec.method == "ngram":
             return NgramProposer(
@@ -95,6 +90,9 @@ class Speculation(EngineParts):
         """The scheduler's drafts for seq: at most k, or [] where it may not speculate."""
         proposer = self.proposer
         assert proposer is not None
+        k = self._draft_room(seq, k)
+        if k <= 0:
+            return []
         if isinstance(proposer, DraftModelProposer):
             drafts = proposer.propose(seq, k)  # _prepare_drafts applied the rules below
         elif self._batch_too_wide() or not self._may_speculate(seq) or self._backing_off(seq):
@@ -103,6 +101,15 @@ class Speculation(EngineParts):
             drafts = proposer.propose(seq.token_ids, k)
         seq.spec_mark = seq.num_tokens if drafts else -1
         return drafts
+
+    def _draft_room(self, seq: Sequence, k: int) -> int:
+        """At most k drafts, and under LongRoPE's short factors none whose row would sample
+        past the original length: plain decoding samples that token only after recomputing
+        the sequence under the long factors (scheduler.py), so the drafts stop short of it."""
+        original = longrope_original(self.model_config)
+        if original is None or seq.rope_long:
+            return k
+        return max(0, min(k, original - seq.num_tokens))
 
     @staticmethod
     def _backing_off(seq: Sequence) -> bool:
@@ -135,7 +142,7 @@ class Speculation(EngineParts):
                 continue  # prefilling, or about to fork (no drafts before the fork)
             if not self._may_speculate(seq) or self._backing_off(seq):
                 continue
-            k = min(seq.params.max_tokens - seq.num_output_tokens - 1,
-                    seq.max_total_tokens - seq.num_tokens - 1)  # fmt: skip
+            k = self._draft_room(seq, min(seq.params.max_tokens - seq.num_output_tokens - 1,
+                                          seq.max_total_tokens - seq.num_tokens - 1))
             wanted.append((seq, k))
         proposer.prepare(wanted)

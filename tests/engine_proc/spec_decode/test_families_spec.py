@@ -1,7 +1,13 @@
-"""Speculative decoding over a hybrid KV cache (Gemma 3: sliding-window and full layers, each
-group its own block table): rejected drafts are rolled back in every group, the sliding groups
-still release the blocks that left the window, and the tokens are the plain engine's (greedy
-and seeded sampling, n-gram drafts and a draft model), checked once against transformers."""
+"""Speculative decoding on the families with their own KV or rotary rules.
+
+Gemma 3's hybrid KV cache (sliding-window and full layers, each group its own block table):
+rejected drafts are rolled back in every group, the sliding groups still release the blocks
+that left the window, and the tokens are the plain engine's (greedy and seeded sampling,
+n-gram drafts and a draft model), checked once against transformers.
+
+Phi-3 / Phi-4's LongRoPE: a sequence that grows past the original length is recomputed under
+the long factors before its next token (scheduler.py), so drafts stop short of that length;
+replies that cross it while speculating give the plain engine's and transformers' tokens."""
 
 from __future__ import annotations
 
@@ -97,3 +103,35 @@ def test_greedy_matches_transformers_with_a_draft_model(gemma_path) -> None:
         assert g.token_ids == hf_alphabet_greedy(model, prompt, 24)
     drafted, accepted = spec_counts(engine)
     assert accepted > 0.5 * drafted > 0, (accepted, drafted)
+
+
+PHI4_MINI = dict(num_heads=4, num_kv_heads=1, rope_scaling="longrope", partial_rotary_factor=0.75,
+                 tie_word_embeddings=True)  # fmt: skip
+ORIGINAL = 32  # tiny_models.phi3_longrope's original_max_position_embeddings
+
+
+@pytest.mark.parametrize("length", [18, 25, ORIGINAL])
+def test_longrope_replies_across_the_original_length(length) -> None:
+    from tests.tiny_models import hf_reference_model
+
+    path = tiny_model_dir("phi3", **PHI4_MINI)
+    plain = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=256, block_size=4,
+                                   enable_prefix_caching=False))  # fmt: skip
+    spec = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=256, block_size=4,
+                                  enable_prefix_caching=False,
+                                  speculative_config=SPEC))  # fmt: skip
+    assert spec.proposer is not None
+    prompt = ([500, 501, 502] * 11)[:length]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                             logit_bias=ALPHABET, logprobs=1)]  # fmt: skip
+    got = run(spec, [prompt], params)
+    want = run(plain, [prompt], params)
+    assert got[0].token_ids == want[0].token_ids
+    # the logprobs too: a draft row past the original length would take the short factors
+    # (the bias keeps the tokens; the logprobs show which factors computed them)
+    assert [a.logprob for a in got[0].logprobs] == pytest.approx(
+        [b.logprob for b in want[0].logprobs], abs=1e-4)
+    assert got[0].token_ids == hf_alphabet_greedy(hf_reference_model(path), prompt, 20)
+    assert spec.stats.num_preemptions == plain.stats.num_preemptions == (length + 20 > ORIGINAL)
+    drafted, accepted = spec_counts(spec)
+    assert accepted > 0
