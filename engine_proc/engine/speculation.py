@@ -77,10 +77,10 @@ class Speculation(EngineParts):
         return draft
 
     def _may_speculate(self, seq: Sequence) -> bool:
-        """Not for its own opt-out, nor structured output (its grammar state would have to roll
-        back with the rejected drafts). Penalties, logit_bias, logprobs, seeds and n > 1 (after
-        the fork) speculate exactly."""
-        return seq.params.speculative and seq.params.structured is None
+        """Not against its own opt-out. Penalties, logit_bias, logprobs, seeds, structured
+        output (each verified row masked by its grammar after the drafts before it,
+        structured/mask.py) and n > 1 (after the fork) speculate exactly."""
+        return seq.params.speculative
 
     def _batch_too_wide(self) -> bool:
         limit = self.config.speculative_config.disable_by_batch_size

@@ -54,7 +54,8 @@ class StepOutputs(EngineParts):
             # xgrammar loads with the first grammar: engines that never see one skip its import
             from engine_proc.structured.mask import apply_grammar_masks
 
-            apply_grammar_masks(chosen_from, grammars)
+            apply_grammar_masks(chosen_from, grammars,
+                                [s.spec_token_ids[:j] for s, j in zip(seqs, drafted, strict=True)])
         tokens = sample(
             chosen_from,
             params,

@@ -13,22 +13,50 @@ import xgrammar as xgr
 from engine_proc.structured.matcher import SeqGrammar
 
 
-def apply_grammar_masks(logits: torch.Tensor, grammars: list[SeqGrammar | None]) -> None:
+def apply_grammar_masks(logits: torch.Tensor, grammars: list[SeqGrammar | None],
+                        row_drafts: list[list[int]] | None = None) -> None:
     """Set to -inf, in place, every logit its row's grammar forbids; rows without a grammar
-    are not touched. Records how many tokens each grammar allowed (telemetry)."""
+    are not touched. Records how many tokens each grammar allowed (telemetry).
+
+    A speculative sequence has a row per position it verifies, consecutive, each with the
+    drafts before it (row_drafts): its matcher walks through them to give each row its own
+    mask, then rolls back (the step emits what the target confirms). A draft the grammar
+    refuses ends that walk: the rows after it are never used (the target's masked token at
+    its row cannot equal it), so they are left unmasked."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return
     vocab = logits.shape[1]
     # One bitmask row per constrained sequence (int32 words, bit t = token t allowed).
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    walked: dict[int, int] = {}  # id(grammar) -> drafts its matcher accepted this step
+    stuck: set[int] = set()  # grammars whose drafts left the grammar (or ended it)
+    first: list[int] = []  # bitmask rows of each grammar's first position (telemetry)
     for j, i in enumerate(rows):
         g = grammars[i]
         assert g is not None
-        g.matcher.fill_next_token_bitmask(bitmask, j)
+        key = id(g)
+        if key not in walked:
+            walked[key] = 0
+            first.append(j)
+        before = row_drafts[i] if row_drafts is not None else []
+        while key not in stuck and walked[key] < len(before):
+            if g.matcher.is_terminated() or not g.matcher.accept_token(before[walked[key]]):
+                stuck.add(key)
+            else:
+                walked[key] += 1
+        if key in stuck or g.matcher.is_terminated():
+            bitmask[j] = -1  # every token allowed: this row is never used
+        else:
+            g.matcher.fill_next_token_bitmask(bitmask, j)
+    for j in first:
+        g = grammars[rows[j]]
+        assert g is not None
+        if walked[id(g)]:
+            g.matcher.rollback(walked[id(g)])
     counts = np.bitwise_count(bitmask.numpy().view(np.uint32)).sum(axis=1).tolist()
-    for j, i in enumerate(rows):
-        g = grammars[i]
+    for j in first:
+        g = grammars[rows[j]]
         assert g is not None
         g.allowed.append(min(int(counts[j]), vocab))
     # indices: the logits row of each bitmask row (the kernel reads bitmask row k for logits

@@ -221,16 +221,40 @@ def test_chunked_prefill_prefix_caching_and_preemption(tiny_path) -> None:
     assert [g.token_ids for g in again] == [w.token_ids for w in want]
 
 
-def test_speculation_off_for_structured_output(engines) -> None:
+SCHEMA = {"type": "array", "minItems": 6, "maxItems": 8,
+          "items": {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
+                    "required": ["colour"], "additionalProperties": False}}  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 0}, {"temperature": 1.0, "seed": 4}],
+                         ids=["greedy", "sampled"])  # fmt: skip
+def test_structured_output_speculates_with_each_row_masked(engines, kw) -> None:
+    """A regex and a JSON schema whose outputs repeat themselves (so prompt lookup drafts):
+    each verified row is masked by the grammar after the drafts before it, the matcher rolls
+    back what the target rejects. The tokens are the plain engine's, drafts were accepted, and
+    the JSON validates against the schema (jsonschema, not our grammar code)."""
+    import json
+    import re
+
+    import jsonschema
+
     from ipc.messages import StructuredOutput
 
-    _, spec = engines
-    before = spec.stats.spec_decode.num_drafts
-    p = SamplingParams(max_tokens=12, temperature=0,
-                       structured=StructuredOutput(kind="regex", spec="(ab)+",
-                                                   field="response_format"))  # fmt: skip
-    (out,) = run(spec, [PROMPTS[0]], [p])
-    assert out.token_ids and spec.stats.spec_decode.num_drafts == before
+    base, spec = engines
+    constraints = [StructuredOutput(kind="regex", spec="(ab)+", field="response_format"),
+                   StructuredOutput(kind="json", spec=json.dumps(SCHEMA),
+                                    field="response_format")]  # fmt: skip
+    params = [SamplingParams(max_tokens=m, structured=c, **kw)
+              for m, c in zip((40, 200), constraints, strict=True)]
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    drafted, accepted = spec_counts(spec)
+    want = run(base, prompts, params)
+    got = run(spec, prompts, params)
+    assert [(g.token_ids, g.text) for g in got] == [(w.token_ids, w.text) for w in want]
+    assert spec_counts(spec)[1] > accepted and spec_counts(spec)[0] > drafted
+    assert got[1].finish_reason == "stop", got[1].text  # the grammar completed
+    jsonschema.validate(json.loads(got[1].text), SCHEMA)
+    assert re.fullmatch("(ab)+a?", got[0].text)  # (a prefix of the regex's: max_tokens)
 
 
 def hf_alphabet_greedy(model, prompt: list[int], n: int) -> list[int]:
