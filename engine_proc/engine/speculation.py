@@ -51,14 +51,15 @@ class Speculation(EngineParts):
 
     def _draft_engine(self, config: EngineConfig, spec: SpeculativeConfig):
         """The draft model's engine: the target's device, dtype, decode step and limits, a pool
-        of the same bytes (a smaller model's tokens take fewer), prefix caching on (it is what
+        of as many blocks as the target's (as many tokens; a smaller model's take fewer
+        bytes), prefix caching on (it is what
         spares recomputing each sequence's history every step), and the fastest decode weights
         it can run ("auto": 4-bit on CPUs), since drafts need not be exact: a full-precision
         target may even take its own 4-bit copy as the draft."""
         assert spec.model is not None
         draft_config = EngineConfig(
             model=spec.model, dtype=config.dtype, device=str(self.device),
-            block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
+            block_size=config.block_size, num_kv_blocks=self.num_blocks,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             long_prefill_chunk=config.long_prefill_chunk, enable_prefix_caching=True,
