@@ -15,7 +15,8 @@ from tests.engine_proc.spec_decode.test_engine_spec import (
     ALPHABET,
     PRESSURE,
     PROMPTS,
-    hf_alphabet_greedy,
+    RUN_OF_FOUR,
+    assert_transformers_greedy,
     params_list,
     pressure_requests,
     run,
@@ -122,16 +123,7 @@ def test_chunked_prefill_prefix_caching_and_preemption(target_path, other_draft_
 
 
 def test_greedy_matches_transformers(with_other, target_path) -> None:
-
-    from tests.tiny_models import hf_reference_model
-
-    model = hf_reference_model(target_path)
-    prompts = [PROMPTS[1], [7, 8, 9, 10] * 5 + [7, 8]]
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                             logit_bias=ALPHABET)] * len(prompts)  # fmt: skip
-    got = run(with_other, prompts, params)
-    for prompt, g in zip(prompts, got, strict=True):
-        assert g.token_ids == hf_alphabet_greedy(model, prompt, 24)
+    assert_transformers_greedy(with_other, target_path, [PROMPTS[1], RUN_OF_FOUR])
 
 
 def test_opt_out_and_wide_batches_skip_the_draft_model(target_path, other_draft_path) -> None:

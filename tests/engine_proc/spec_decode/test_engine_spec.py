@@ -21,6 +21,7 @@ from tests.tiny_models import tiny_model_dir
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1, "disable_by_batch_size": 0}  # fmt: skip (0: any batch drafts)
 ALPHABET = {500: 100.0, 501: 100.0, 502: 100.0}
+RUN_OF_FOUR = [7, 8, 9, 10] * 5 + [7, 8]
 PROMPTS = [
     [500, 501, 502, 500, 500] * 4,
     list(range(300, 330)) + [500, 501, 502, 501] * 3,
@@ -257,6 +258,19 @@ def test_structured_output_speculates_with_each_row_masked(engines, kw) -> None:
     assert re.fullmatch("(ab)+a?", got[0].text)  # (a prefix of the regex's: max_tokens)
 
 
+def assert_transformers_greedy(engine: LLMEngine, path, prompts: list[list[int]],
+                               n: int = 24) -> None:
+    """engine's greedy replies (ALPHABET's bias) are transformers' own generate() of the
+    checkpoint at path: the independent reference."""
+    from tests.tiny_models import hf_reference_model
+
+    model = hf_reference_model(path)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                             logit_bias=ALPHABET)] * len(prompts)  # fmt: skip
+    for prompt, g in zip(prompts, run(engine, prompts, params), strict=True):
+        assert g.token_ids == hf_alphabet_greedy(model, prompt, n)
+
+
 def hf_alphabet_greedy(model, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy generate() of n tokens with ALPHABET's bias (its sequence_bias)."""
     import torch
@@ -272,18 +286,9 @@ def hf_alphabet_greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_greedy_matches_transformers(engines, tiny_path) -> None:
     """Against an independent reference: transformers' greedy generate() of the same model,
     with the same bias on the alphabet (its sequence_bias)."""
-
-    from tests.tiny_models import hf_reference_model
-
     _, spec = engines
-    model = hf_reference_model(tiny_path)
-    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10] * 5 + [7, 8]]
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                             logit_bias=ALPHABET)] * len(prompts)  # fmt: skip
     drafted, accepted = spec_counts(spec)
-    got = run(spec, prompts, params)
-    for prompt, g in zip(prompts, got, strict=True):
-        assert g.token_ids == hf_alphabet_greedy(model, prompt, 24)
+    assert_transformers_greedy(spec, tiny_path, [PROMPTS[0], PROMPTS[1], RUN_OF_FOUR])
     drafted2, accepted2 = spec_counts(spec)
     assert accepted2 > accepted and drafted2 - drafted > accepted2 - accepted
 

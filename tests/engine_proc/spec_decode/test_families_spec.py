@@ -18,7 +18,9 @@ from engine_proc.core.kv_groups import max_sliding_blocks
 from tests.engine_proc.spec_decode.test_engine_spec import (
     ALPHABET,
     PROMPTS,
+    RUN_OF_FOUR,
     SPEC,
+    assert_transformers_greedy,
     hf_alphabet_greedy,
     params_list,
     run,
@@ -88,19 +90,11 @@ def test_sliding_groups_keep_releasing_blocks_while_speculating(engines) -> None
 
 
 def test_greedy_matches_transformers_with_a_draft_model(gemma_path) -> None:
-    from tests.tiny_models import hf_reference_model
-
     # the checkpoint as its own draft (run with 4-bit weights where they fit): its own hybrid
     # cache in the draft engine, drafts mostly right
     engine = make(gemma_path, {"model": str(gemma_path), "num_speculative_tokens": 3,
                                "disable_by_batch_size": 0})  # fmt: skip
-    model = hf_reference_model(gemma_path)
-    prompts = [PROMPTS[1], [7, 8, 9, 10] * 5 + [7, 8]]
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                             logit_bias=ALPHABET)] * len(prompts)  # fmt: skip
-    got = run(engine, prompts, params)
-    for prompt, g in zip(prompts, got, strict=True):
-        assert g.token_ids == hf_alphabet_greedy(model, prompt, 24)
+    assert_transformers_greedy(engine, gemma_path, [PROMPTS[1], RUN_OF_FOUR])
     drafted, accepted = spec_counts(engine)
     assert accepted > 0.5 * drafted > 0, (accepted, drafted)
 
