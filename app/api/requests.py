@@ -8,11 +8,18 @@ refused too, so a typo such as `temprature` does not pass silently.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from app.api.errors import APIError, bad_request
+from app.api.fields import (
+    bool_field,
+    float_field,
+    int_field,
+    is_int,
+    logit_bias,
+    stop_strings,
+)
 from app.api.structured import structured_of
 from app.api.tools.request import (
     MESSAGE_FIELDS,
@@ -24,7 +31,6 @@ from app.api.tools.request import (
 from ipc import protocol as P
 
 MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions body
 
 # Accepted and ignored: they describe the caller, not the output.
@@ -119,15 +125,15 @@ def parse_chat(body: Any, limits: Limits) -> GenerationPlan:
     if body.get("add_generation_prompt", True) is not True:
         raise bad_request("add_generation_prompt must be true", "add_generation_prompt")
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
-        max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens)
+        max_tokens = int_field(body, "max_completion_tokens", 1, limits.max_tokens)
     else:
-        max_tokens = _int(body, "max_tokens", 1, limits.max_tokens, default=limits.max_tokens)
-    logprobs = _bool(body, "logprobs", False)
+        max_tokens = int_field(body, "max_tokens", 1, limits.max_tokens, default=limits.max_tokens)
+    logprobs = bool_field(body, "logprobs", False)
     top = body.get("top_logprobs")
     if top is not None:
         if not logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        top = int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     _fill_common(plan, body, limits, max_tokens, (top or 0) if logprobs else None)
     apply_tools(plan, body)
     return plan
@@ -137,9 +143,9 @@ def parse_completion(body: Any, limits: Limits) -> GenerationPlan:
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
     plan = GenerationPlan(kind="completion", model=_model(body), prompts=_prompts(body, limits))
-    max_tokens = _int(body, "max_tokens", 1, limits.max_tokens, default=16)  # OpenAI's default
+    max_tokens = int_field(body, "max_tokens", 1, limits.max_tokens, default=16)  # OpenAI's default
     k = body.get("logprobs")
-    top = None if k is None else _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    top = None if k is None else int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     _fill_common(plan, body, limits, max_tokens, top)
     return plan
 
@@ -156,10 +162,10 @@ def parse_tokenize(body: Any) -> dict[str, Any]:
         if not isinstance(body["prompt"], str):
             raise bad_request("prompt must be a string", "prompt")
         return {"prompt": body["prompt"],
-                "add_special_tokens": _bool(body, "add_special_tokens", True)}  # fmt: skip
+                "add_special_tokens": bool_field(body, "add_special_tokens", True)}  # fmt: skip
     return {
         "messages": _messages(body),
-        "add_generation_prompt": _bool(body, "add_generation_prompt", True),
+        "add_generation_prompt": bool_field(body, "add_generation_prompt", True),
         "tools": parse_tools(body),
         "chat_template_kwargs": parse_template_kwargs(body),
     }
@@ -169,7 +175,7 @@ def parse_detokenize(body: Any, vocab_size: int) -> list[int]:
     body = _object(body)
     _check_fields(body, {"model", "tokens"})
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise bad_request("tokens must be a list of integer token ids", "tokens")
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
@@ -194,7 +200,7 @@ def check_model(plan_model: str | None, served: list[str]) -> None:
 def _fill_common(
     plan: GenerationPlan, body: dict[str, Any], limits: Limits, max_tokens: int, top: int | None
 ) -> None:
-    n = _int(body, "n", 1, limits.max_n, default=1)
+    n = int_field(body, "n", 1, limits.max_n, default=1)
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise bad_request(
@@ -206,7 +212,7 @@ def _fill_common(
         raise bad_request("skip_special_tokens must be true", "skip_special_tokens")
     if body.get("include_stop_str_in_output", False) is not False:
         raise bad_request("include_stop_str_in_output must be false", "include_stop_str_in_output")
-    plan.stream = _bool(body, "stream", False)
+    plan.stream = bool_field(body, "stream", False)
     options = body.get("stream_options")
     if options is not None:
         if not plan.stream:
@@ -218,19 +224,20 @@ def _fill_common(
             raise bad_request(
                 "stream_options must be an object with include_usage (a boolean)", "stream_options"
             )
-        plan.include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
-    temperature = _float(body, "temperature", 0.0, 2.0, default=1.0)
-    top_p = _float(body, "top_p", 0.0, 1.0, default=1.0, low_open=True)
-    top_k = _int(body, "top_k", -1, 1 << 20, default=0, note=" (0 or -1 = off)")
+        plan.include_usage = bool_field(options, "include_usage", False,
+                                        "stream_options.include_usage")
+    temperature = float_field(body, "temperature", 0.0, 2.0, default=1.0)
+    top_p = float_field(body, "top_p", 0.0, 1.0, default=1.0, low_open=True)
+    top_k = int_field(body, "top_k", -1, 1 << 20, default=0, note=" (0 or -1 = off)")
     seed = body.get("seed")
     if seed is not None:
-        seed = _int(body, "seed", 0, 2**63 - 1)
+        seed = int_field(body, "seed", 0, 2**63 - 1)
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
         raise bad_request("cache_salt must be a non-empty string", "cache_salt")
     stop_token_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list) or not all(
-        _is_int(t) and t >= 0 for t in stop_token_ids
+        is_int(t) and t >= 0 for t in stop_token_ids
     ):
         raise bad_request(
             "stop_token_ids must be a list of token ids (integers >= 0)", "stop_token_ids"
@@ -244,19 +251,19 @@ def _fill_common(
         top_p=top_p,
         seed=seed,
         n=n,
-        stop=_stop(body),
+        stop=stop_strings(body),
         stop_token_ids=list(stop_token_ids),
-        ignore_eos=_bool(body, "ignore_eos", False),
-        presence_penalty=_float(body, "presence_penalty", -2.0, 2.0, default=0.0),
-        frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0, default=0.0),
-        repetition_penalty=_float(
+        ignore_eos=bool_field(body, "ignore_eos", False),
+        presence_penalty=float_field(body, "presence_penalty", -2.0, 2.0, default=0.0),
+        frequency_penalty=float_field(body, "frequency_penalty", -2.0, 2.0, default=0.0),
+        repetition_penalty=float_field(
             body, "repetition_penalty", 0.0, 10.0, default=1.0, low_open=True
         ),
-        logit_bias=_logit_bias(body),
+        logit_bias=logit_bias(body),
         logprobs=top,
         structured=structured_of(body, plan.kind),  # app/api/structured.py
         # KVScope's own: false keeps this request out of speculative decoding (same output)
-        speculative=_bool(body, "speculative", True),
+        speculative=bool_field(body, "speculative", True),
     )
 
 
@@ -336,14 +343,14 @@ def _prompts(body: dict[str, Any], limits: Limits) -> list[str | list[int]]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     elif (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
+        and all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt)
     ):
         prompts = list(prompt)
     else:
@@ -358,97 +365,3 @@ def _prompts(body: dict[str, Any], limits: Limits) -> list[str | list[int]]:
     if any(p == "" for p in prompts):
         raise bad_request("prompt must not be empty", "prompt")
     return prompts
-
-
-def _stop(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if (
-        not isinstance(stop, list)
-        or not all(isinstance(s, str) and s for s in stop)
-        or len(stop) > MAX_STOP_STRINGS
-    ):
-        raise bad_request(
-            f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
-            "non-empty strings",
-            "stop",
-        )
-    return stop
-
-
-def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
-    bias = body.get("logit_bias")
-    if bias is None:
-        return {}
-    if not isinstance(bias, dict):
-        raise bad_request("logit_bias must be an object {token id: bias}", "logit_bias")
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            token = -1
-        if token < 0 or (isinstance(key, str) and not key.strip().isdigit()):
-            raise bad_request(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
-                              "logit_bias")  # fmt: skip
-        if not _is_number(value) or not -100 <= value <= 100:
-            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {value!r}",
-                              "logit_bias")  # fmt: skip
-        out[token] = float(value)
-    return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _int(
-    body: dict[str, Any],
-    name: str,
-    low: int,
-    high: int,
-    default: int | None = None,
-    note: str = "",
-) -> int:
-    value = body.get(name)
-    if value is None and default is not None:
-        return default
-    if not _is_int(value) or not low <= value <= high:
-        raise bad_request(
-            f"{name} must be an integer in [{low}, {high}]{note}, got {value!r}", name
-        )
-    return value
-
-
-def _float(
-    body: dict[str, Any],
-    name: str,
-    low: float,
-    high: float,
-    default: float,
-    low_open: bool = False,
-) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = _is_number(value) and (low < value if low_open else low <= value) and value <= high
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise bad_request(f"{name} must be a number in {interval}, got {value!r}", name)
-    return float(value)
-
-
-def _bool(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{param or name} must be true or false, got {value!r}", param or name)
-    return value
