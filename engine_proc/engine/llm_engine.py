@@ -1,7 +1,9 @@
 """LLMEngine: requests in, tokens out, one scheduler step at a time.
 
-Its other concepts live beside it, as mixins over the state built here: tokenization
-(engine_tokens.py), step outputs (engine_outputs.py), live control and state (engine_control.py).
+Its other concepts live beside it, as mixins over the state built here (parts.py): tokenization
+(tokens.py), step outputs (step_outputs.py), live control and state (control.py), speculative
+decoding (speculation.py) and the batch API (batch.py); device and decode-weight choice in
+device.py.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from collections.abc import Sequence as SequenceABC
 
 import torch
 
@@ -27,9 +28,11 @@ from engine_proc.core.kv_sizing import block_bytes, engine_layout, pool_blocks
 from engine_proc.core.request import Sequence
 from engine_proc.core.scheduler import Scheduler, SchedulerLimits
 from engine_proc.detokenizer import IncrementalDetokenizer
+from engine_proc.engine.batch import BatchGeneration
 from engine_proc.engine.control import LiveControl
+from engine_proc.engine.device import resolve_decode_weights, resolve_device
 from engine_proc.engine.metrics import RequestHistograms
-from engine_proc.engine.speculation import Speculation, longrope_original
+from engine_proc.engine.speculation import Speculation
 from engine_proc.engine.step_outputs import StepOutputs
 from engine_proc.engine.telemetry import EngineStats
 from engine_proc.engine.telemetry_types import StepStats
@@ -39,8 +42,8 @@ from engine_proc.kv_store.entry import BlockLayout
 from engine_proc.kv_store.tiers import KVTiers, model_fingerprint
 from engine_proc.kv_transfer.transfer import KVTransfer, KVTransferRequest
 from engine_proc.loading.loader import Checkpoint, load_checkpoint
-from engine_proc.models.config import ModelConfig
-from engine_proc.models.llama import LlamaModel, int4_unsupported_reason
+from engine_proc.models.config import longrope_original
+from engine_proc.models.llama import LlamaModel
 from engine_proc.outputs import RequestMetrics, RequestOutput
 from engine_proc.sampling_params import SamplingParams
 from engine_proc.structured.manager import StructuredOutputs
@@ -51,7 +54,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 
-class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation):
+class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGeneration):
     def __init__(
         self,
         config: EngineConfig,
@@ -60,7 +63,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation):
     ) -> None:
         self.config = config
         self.clock = time.monotonic
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         self.dtype = _DTYPES[config.dtype]
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
@@ -73,7 +76,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation):
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        self.decode_weights = _resolve_decode_weights(config.decode_weights, mc, self.device)
+        self.decode_weights = resolve_decode_weights(config.decode_weights, mc, self.device)
         self.model = LlamaModel(
             mc, ckpt.weights, self.dtype, self.device, self.max_model_len, self.decode_weights
         )
@@ -411,71 +414,3 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation):
         why; the server answers each with invalid_request."""
         out, self.refusals = self.refusals, {}
         return out
-
-    # ----------------------------------------------------------------- batch API
-    def generate(
-        self,
-        prompts: Prompt | SequenceABC[Prompt],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Run prompts to completion together; one output per prompt (per sequence when n > 1),
-        in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
-        ):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        base = f"gen-{id(self)}-{self.clock()}"
-        ids = [f"{base}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(rid, prompt, p)
-        final: dict[tuple[str, int], RequestOutput] = {}
-        pending = set(ids)
-        while pending:
-            for out in self.step():  # other callers' requests may share these steps
-                if out.finished and out.request_id in pending:
-                    final[(out.request_id, out.index)] = out
-            refused = [self.refusals.pop(r) for r in pending if r in self.refusals]
-            if refused:
-                for rid in pending:
-                    if rid in self.requests:
-                        self.abort_request(rid)
-                raise ValueError(refused[0])
-            pending = {r for r in pending if r in self.requests}
-        order = {rid: i for i, rid in enumerate(ids)}
-        return [final[key] for key in sorted(final, key=lambda k: (order[k[0]], k[1]))]
-
-
-def _resolve_decode_weights(choice: str, config: ModelConfig, device: torch.device) -> str:
-    if choice != "auto":
-        return choice
-    why = int4_unsupported_reason(config, device)
-    if why is not None:
-        logger.info("decode weights: dense (int4 %s)", why)
-        return "dense"
-    return "int4"
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'"
-        )
-    if dev.type == "cuda":
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device {device!r}: this machine has CUDA devices 0..{count - 1}")
-        # Triton launches, CUDA graph capture and their streams all follow the *current*
-        # device: make it the engine's, or cuda:1 would get kernels aimed at cuda:0.
-        torch.cuda.set_device(dev)
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev

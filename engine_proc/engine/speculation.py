@@ -22,15 +22,6 @@ Proposer = NgramProposer | DraftModelProposer
 MAX_SKIP = 15
 
 
-def longrope_original(config) -> int | None:
-    """LongRoPE's original_max_position_embeddings (Phi-3), past which a sequence rotates with
-    the long factors; None for other rotary embeddings."""
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type") != "longrope":
-        return None
-    return int(scaling["original_max_position_embeddings"])
-
-
 class Speculation(EngineParts):
     """Mixin of LLMEngine (the attributes it reads are set in LLMEngine.__init__)."""
 
@@ -107,7 +98,7 @@ class Speculation(EngineParts):
         """At most k drafts, and under LongRoPE's short factors none whose row would sample
         past the original length: plain decoding samples that token only after recomputing
         the sequence under the long factors (scheduler.py), so the drafts stop short of it."""
-        original = longrope_original(self.model_config)
+        original = self.scheduler.longrope_original
         if original is None or seq.rope_long:
             return k
         return max(0, min(k, original - seq.num_tokens))

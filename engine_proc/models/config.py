@@ -89,3 +89,12 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def longrope_original(config: ModelConfig) -> int | None:
+    """LongRoPE's original_max_position_embeddings (Phi-3), past which a sequence rotates with
+    the long factors; None for other rotary embeddings."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
