@@ -8,6 +8,8 @@ map. Each other concept has its own module, a collaborator holding a reference t
 - ui/window/engine.py (`window.lifecycle`): `EngineSource`, spawning or attaching to the engine
   (one `EngineLink` worker thread carries all ZeroMQ traffic), restart, the error banner when the
   engine fails or stops answering.
+- ui/window/engine_menu.py: the *Engine* menu, and what it offers by what the window is
+  attached to.
 - ui/window/options.py (`window.option_menus`): *Decode weights* and *KV cache*, the options the
   engine starts with.
 - ui/window/models_menu.py (`window.model_menu`): *File → Open model…* and *File → Models…*
@@ -31,7 +33,7 @@ import logging
 import time
 
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtGui import QCloseEvent
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -73,6 +75,7 @@ from ui.window.api_server import ApiServer, ApiServerDialog
 from ui.window.connect_dialog import ConnectDialog
 from ui.window.controls import ControlsPanel, LoadPanel, config_dict
 from ui.window.engine import EngineLifecycle
+from ui.window.engine_menu import build_engine_menu, update_engine_menu
 from ui.window.feed import TelemetryFeed
 from ui.window.kv_events import KvEventsWatch
 from ui.window.models_menu import ModelMenu
@@ -246,63 +249,13 @@ class MainWindow(QMainWindow):
 
     def _build_menu(self) -> None:
         self.model_menu.add_file_menu(self.menuBar())
-        menu = self.menuBar().addMenu("&Engine")
-        restart = self.restart_action = QAction("&Restart engine", self)
-        restart.setShortcut(QKeySequence("Ctrl+Alt+R"))  # Ctrl+Shift+R regenerates a reply
-        restart.triggered.connect(self.restart_engine)
-        menu.addAction(restart)
-        connect = self.connect_action = QAction("&Connect to server…", self)
-        connect.setToolTip("watch a vLLM, SGLang, llama.cpp or KVScope server over HTTP")
-        connect.triggered.connect(self.open_connect_dialog)
-        menu.addAction(connect)
-        fleet = self.fleet_action = QAction("Connect to a &fleet…", self)
-        fleet.setToolTip("watch several vLLM, SGLang or KVScope servers at once: their figures, "
-                         "one prefix tree, where a KV-aware router would send a prompt")
-        fleet.triggered.connect(self.fleet.open_dialog)
-        menu.addAction(fleet)
-        local = self.local_action = QAction("Back to the &local engine", self)
-        local.setToolTip("stop watching the server and use this window's own engine again")
-        local.triggered.connect(self.use_local_engine)
-        local.setVisible(self.source.is_remote)
-        menu.addAction(local)
-        menu.addSeparator()
-        self.decode_weights_menu, self.decode_weight_actions = (
-            self.option_menus.add_decode_weights_menu(menu))
-        self.kv_cache_menu, self.kv_cache_actions = self.option_menus.add_kv_cache_menu(menu)
-        self.spec_menu, self.spec_actions = self.option_menus.add_speculative_menu(menu)
-        menu.addSeparator()
-        api = self.api_action = QAction("Serve &OpenAI API…", self, checkable=True)
-        api.triggered.connect(self.api_toggle.on_triggered)
-        menu.addAction(api)
-        menu.setToolTipsVisible(True)
+        build_engine_menu(self)
         self.chat_menu = ChatMenu(self.chat, self)
         self.chat_menu.add_to(self.menuBar())
         self.update_menu()
 
     def update_menu(self) -> None:
-        """What the Engine menu offers depends on what the window is attached to."""
-        remote = self.source.is_remote
-        weights, api = self.decode_weights_menu, self.api_action
-        attached_tip = (
-            "" if not self.source.connect else
-            "set when the engine starts; this window watches a server over HTTP" if remote else
-            "set when the engine starts; this window attached to a running one")
-        for sub, tip in ((weights, ""), (self.kv_cache_menu, "the KV pool's element type and "
-                          "the tiers below it; a change restarts the engine"),
-                         (self.spec_menu, "draft tokens verified in one forward pass; a change "
-                          "restarts the engine")):
-            sub.setEnabled(not self.source.connect)
-            sub.setToolTip(attached_tip)
-            sub.menuAction().setToolTip(attached_tip or tip)
-        disk = self.kv_cache_actions["disk"]
-        for value, action in disk.items():  # the tier's files live in the data directory
-            action.setEnabled(not value or self.data_dir is not None)
-        api.setEnabled(not remote and not self.source.is_demo)
-        api.setToolTip("the window is watching a server over HTTP; it has an API of its own"
-                       if remote else
-                       "an OpenAI-compatible HTTP API on 127.0.0.1 for this window's engine")
-        self.restart_action.setText("&Reconnect" if remote else "&Restart engine")
-        self.local_action.setVisible(remote)
+        update_engine_menu(self)
 
     def set_state(self, state: str, detail: str = "") -> None:
         self.state = state
