@@ -10,7 +10,8 @@ import torch
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.llama import int4_unsupported_reason
 
-logger = logging.getLogger(__name__)
+# the engine's own log, as before this module was split out of llm_engine.py (what users filter)
+logger = logging.getLogger("engine_proc.engine.llm_engine")
 
 
 def resolve_decode_weights(choice: str, config: ModelConfig, device: torch.device) -> str:
