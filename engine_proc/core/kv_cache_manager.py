@@ -4,7 +4,9 @@ copy-on-write for forked sequences, and hashing of blocks as they fill.
 A hybrid model (engine_proc/core/kv_groups.py) gives each sequence one more table per sliding
 group: those tables release the blocks that left the window (`trim`), their blocks are indexed
 under group-tagged hashes, and a prefix hit needs the full group's whole prefix but only the last
-window's blocks of each sliding group."""
+window's blocks of each sliding group. A model whose every layer slides has one group, a sliding
+one: its block_table itself releases blocks (NO_BLOCK entries), and a hit needs only the last
+window's blocks of the prefix, wherever the blocks before them went."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ NO_BLOCK = -1  # a sliding group's table entry for a block released (or never he
 
 
 class CachedPrefix(list):
-    """A prefix hit: the full group's blocks (the list itself, as without groups) and, per
-    sliding group, its blocks for the same prefix (None below the window)."""
+    """A prefix hit: group 0's blocks (the list itself, as without groups; None below the
+    window when group 0 slides) and, per other group, its blocks for the same prefix (None
+    below the window)."""
 
     group_blocks: list[list[KVBlock | None]]
 
@@ -78,7 +81,8 @@ def block_hash(parent_hash: bytes, token_ids: list[int]) -> bytes:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  windows: tuple[int | None, ...] = (None,)) -> None:  # fmt: skip
-        assert windows[0] is None and all(w for w in windows[1:]), windows
+        # group 0 slides only when every layer does (kv_groups.plan_layout)
+        assert all(w for w in windows[1:]) and (windows[0] is None or len(windows) == 1), windows
         self.windows = windows  # per group (kv_groups.KVLayout.windows)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -117,6 +121,8 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[KVBlock] = []
         hashes = self.full_block_hashes(seq, max_blocks)
+        if self.windows[0] is not None:
+            return self._sliding_hit(hashes)
         for h in hashes:
             block = self.pool.lookup(h)
             if block is None:
@@ -127,6 +133,23 @@ class KVCacheManager:
         if len(self.windows) > 1:
             return self._hybrid_hit(hashes, hit)
         return hit
+
+    def _sliding_hit(self, hashes: list[bytes]) -> CachedPrefix | list[KVBlock]:
+        """Every layer slides: the longest prefix whose last window's blocks the pool holds
+        (hashes chain the whole prefix, so a block found is that prefix's). A scan keeps, per
+        end k, the run of held blocks ending at k - 1."""
+        window, bs = self.windows[0], self.block_size
+        assert window is not None
+        found = [self.pool.lookup(h) for h in hashes]
+        best, run = 0, 0
+        for k in range(1, len(found) + 1):
+            run = run + 1 if found[k - 1] is not None else 0
+            if k - run <= first_needed_block(k * bs, window, bs):
+                best = k
+        if not best:
+            return []
+        first = first_needed_block(best * bs, window, bs)
+        return CachedPrefix([None] * first + found[first:best], [])
 
     def _hybrid_hit(self, hashes: list[bytes], hit: list[KVBlock]) -> CachedPrefix:
         """The longest prefix of `hit` whose last window's blocks every sliding group holds."""
@@ -212,17 +235,21 @@ class KVCacheManager:
         """Free blocks that allocate() would consume, including revived cached ones."""
         computed = seq.num_computed_tokens + len(cached) * self.block_size
         total = self.num_blocks_for(computed + num_new_tokens)
-        have = len(seq.block_table) + len(cached)
-        revived = sum(1 for b in cached if b.ref_count == 0)
-        need = max(0, total - have) + revived + int(self._needs_copy(seq))
-        for g, window in enumerate(self.windows[1:], 1):
+        need = 0
+        for g, window in enumerate(self.windows):
             table = self._group_table(seq, g)
-            got = cached.group_blocks[g - 1] if isinstance(cached, CachedPrefix) else []
-            first = first_needed_block(computed, window, self.block_size)
+            got = self._cached_in(cached, g)
+            first = 0 if window is None else first_needed_block(computed, window, self.block_size)
             need += max(0, total - max(len(table) + len(got), first))
-            need += sum(1 for b in got if b is not None and b.ref_count == 0)
+            need += sum(1 for b in got if b is not None and b.ref_count == 0)  # revived
             need += int(self._needs_copy_in(table, seq.num_computed_tokens))
         return need
+
+    @staticmethod
+    def _cached_in(cached: list, group: int) -> list[KVBlock | None]:
+        if group == 0:
+            return cached
+        return cached.group_blocks[group - 1] if isinstance(cached, CachedPrefix) else []
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> bool:
         return self.blocks_needed(seq, num_new_tokens, cached) <= self.pool.num_free
@@ -234,13 +261,9 @@ class KVCacheManager:
         copies the runner must do before writing (copy-on-write of a shared partial block)."""
         assert self.can_allocate(seq, num_new_tokens, cached)
         pool = self.pool
-        for block in cached:  # before any allocation, which could evict them
-            pool.touch(block)
-            seq.block_table.append(block.block_id)
-        for g in range(1, len(self.windows)):
+        for g in range(len(self.windows)):  # before any allocation, which could evict them
             table = self._group_table(seq, g)
-            got = cached.group_blocks[g - 1] if isinstance(cached, CachedPrefix) else []
-            for block in got:
+            for block in self._cached_in(cached, g):
                 if block is not None:
                     pool.touch(block)
                 table.append(NO_BLOCK if block is None else block.block_id)
@@ -256,8 +279,9 @@ class KVCacheManager:
                 copies.append((old.block_id, new.block_id))
                 pool.free(old)
                 table[i] = new.block_id
-            first = (0 if g == 0 else
-                     first_needed_block(seq.num_computed_tokens, self.windows[g], self.block_size))
+            window = self.windows[g]
+            first = (0 if window is None else
+                     first_needed_block(seq.num_computed_tokens, window, self.block_size))
             while len(table) < self.num_blocks_for(end):
                 table.append(NO_BLOCK if len(table) < first else pool.allocate().block_id)
         # Only blocks full of known tokens: a speculative step's drafts (past num_tokens) are
@@ -298,7 +322,9 @@ class KVCacheManager:
     def trim(self, seq: Sequence) -> None:
         """Release the sliding groups' blocks that left the window: the next query of seq no
         longer reads them. Freed with their hashes, they stay hittable until evicted."""
-        for g, window in enumerate(self.windows[1:], 1):
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
             table = self._group_table(seq, g)
             first = min(first_needed_block(seq.num_computed_tokens, window, self.block_size),
                         len(table))  # fmt: skip
@@ -307,9 +333,6 @@ class KVCacheManager:
                     break  # released up to here before
                 self.pool.free(self.pool.blocks[table[i]])
                 table[i] = NO_BLOCK
-
-    def _needs_copy(self, seq: Sequence) -> bool:
-        return self._needs_copy_in(seq.block_table, seq.num_computed_tokens)
 
     def _needs_copy_in(self, table: list[int], num_computed: int) -> bool:
         # Only a forked sequence can write into a block someone else references: prefix hits
@@ -330,6 +353,8 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(first, num_full):
             h = hashes[i]
+            if seq.block_table[i] == NO_BLOCK:  # every layer slides: released before it filled
+                continue
             parent = seq.block_table[i - 1] if i else -1
             block = self.pool.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])

@@ -8,8 +8,9 @@ in its group's table. A sliding group releases the blocks that fell out of its w
 of L tokens holds ceil(L / B) blocks in the full group and at most ceil(W / B) + 1 in each
 sliding group.
 
-Models without both kinds of layers (Llama; Mistral, whose every layer slides) keep one group of
-every layer: nothing changes for them."""
+A model whose every layer slides (Mistral, Phi-3 with a window) is one sliding group of every
+layer: its one block table releases blocks as the others' sliding groups do. A model without
+sliding layers (Llama) keeps one full group of every layer."""
 
 from __future__ import annotations
 
@@ -32,20 +33,28 @@ class KVLayout:
 
     @property
     def is_hybrid(self) -> bool:
+        """Groups of different layers: each layer reads a slot of its group's pages."""
         return self.num_groups > 1
+
+    @property
+    def has_sliding_groups(self) -> bool:
+        """Some block table releases the blocks that left its window."""
+        return any(w is not None for w in self.windows)
 
     def layers_of(self, group: int) -> list[int]:
         return [i for i, g in enumerate(self.layer_group) if g == group]
 
 
 def plan_layout(layer_types: tuple[str, ...], num_layers: int, window: int | None) -> KVLayout:
-    """Groups for these layer types: one of every layer unless there are full and sliding ones;
-    then pages of as many layers as there are full ones (at least 1), the sliding layers split in
-    groups of that size."""
+    """Groups for these layer types: one of every layer unless there are full and sliding ones
+    (a sliding one when every layer slides); then pages of as many layers as there are full
+    ones, the sliding layers split in groups of that size."""
     sliding = [i for i, t in enumerate(layer_types) if t == SLIDING_ATTENTION]
     full = [i for i in range(num_layers) if i not in set(sliding)]
-    if not sliding or not full or window is None:
+    if not sliding or window is None:
         return KVLayout(num_layers, (None,), (0,) * num_layers, tuple(range(num_layers)))
+    if not full:
+        return KVLayout(num_layers, (window,), (0,) * num_layers, tuple(range(num_layers)))
     size = len(full)
     groups = [full] + [sliding[i : i + size] for i in range(0, len(sliding), size)]
     layer_group = [0] * num_layers

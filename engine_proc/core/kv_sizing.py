@@ -70,9 +70,26 @@ def request_blocks(layout: KVLayout, num_tokens: int, block_size: int) -> int:
 def engine_layout(
     layer_types: tuple[str, ...], num_layers: int, window: int | None, hybrid_kv: bool
 ) -> KVLayout:
-    """The layout the engine runs: the hybrid one when the model has full and sliding layers
-    and hybrid_kv is on, else one group of every layer (every block kept)."""
+    """The layout the engine runs: with hybrid_kv on, groups that release what left a sliding
+    window when the model has sliding layers; else one group of every layer keeping every
+    block."""
     layout = plan_layout(layer_types, num_layers, window)
-    if not hybrid_kv or not layout.is_hybrid:
+    if not hybrid_kv or not layout.has_sliding_groups:
         return plan_layout((), num_layers, None)
     return layout
+
+
+def max_sequence_tokens(layout: KVLayout, num_blocks: int, block_size: int, chunk: int,
+                        max_model_len: int) -> int:  # fmt: skip
+    """The longest sequence the pool holds by itself (shorter ones could preempt themselves
+    forever): besides its full-group blocks, each sliding group holds its window and the largest
+    chunk a step can give it. When every layer slides, nothing grows with the context."""
+    blocks = num_blocks
+    for window in layout.windows:
+        if window is not None:
+            blocks -= -(-(window + chunk) // block_size) + 1
+    if layout.windows[0] is not None:
+        if blocks >= 0:
+            return max_model_len
+        blocks = num_blocks - 1  # every block of a shorter one fits, and the next partial one
+    return max(1, min(max_model_len, blocks * block_size))

@@ -24,7 +24,12 @@ from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
 from engine_proc.config import EngineConfig
 from engine_proc.core.kv_cache_manager import KVCacheManager, root_hash
 from engine_proc.core.kv_groups import KVLayout
-from engine_proc.core.kv_sizing import block_bytes, engine_layout, pool_blocks
+from engine_proc.core.kv_sizing import (
+    block_bytes,
+    engine_layout,
+    max_sequence_tokens,
+    pool_blocks,
+)
 from engine_proc.core.request import Sequence
 from engine_proc.core.scheduler import Scheduler, SchedulerLimits
 from engine_proc.detokenizer import IncrementalDetokenizer
@@ -162,7 +167,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
             digest = hashlib.sha256(kv_layer_scales.detach().cpu().float().numpy().tobytes())
             self.cache_identity += f"|fp8_scales={digest.hexdigest()[:16]}"
         if config.kv_host_memory or config.kv_disk_dir is not None:
-            if layout.is_hybrid:
+            if layout.has_sliding_groups:
                 raise ValueError(
                     "kv_host_memory / kv_disk_dir (KV tiers) do not hold a hybrid KV cache's "
                     f"sliding-window groups yet ({mc.architecture}); use hybrid_kv=False")
@@ -274,7 +279,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
             num_tools=len(getattr(prompt, "tools", None) or []),  # a ChatPrompt's
         )
         if kv_transfer is not None:
-            if self.kv_layout.is_hybrid:
+            if self.kv_layout.has_sliding_groups:
                 raise ValueError("kv_transfer (disaggregated prefill/decode) does not carry a "
                                  "hybrid KV cache's sliding-window groups yet; serve this model "
                                  "colocated, or with hybrid_kv=False")  # fmt: skip
@@ -312,6 +317,9 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
         mc = self.model_config
         layout = engine_layout(mc.layer_types, mc.num_layers, mc.sliding_window, config.hybrid_kv)
         if not layout.is_hybrid:
+            if layout.has_sliding_groups:
+                logger.info("sliding-window KV cache: every layer's window is %d tokens; blocks "
+                            "that leave it are released", mc.sliding_window)  # fmt: skip
             return layout
         if kv_dtype == "fp8":
             raise ValueError("kv_cache_dtype='fp8' (per-layer scales) with a hybrid KV cache "
@@ -324,14 +332,9 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
 
     @property
     def max_total_tokens(self) -> int:
-        # One sequence must always fit in the pool by itself, or it could preempt itself forever:
-        # with sliding groups, besides its full-group blocks, each of those holds its window and
-        # the largest chunk a step can give it.
-        blocks = self.num_blocks
-        for window in self.kv_layout.windows[1:]:
-            chunk = self.config.long_prefill_chunk or self.config.max_num_batched_tokens
-            blocks -= -(-(window + chunk) // self.block_size) + 1
-        return max(1, min(self.max_model_len, blocks * self.block_size))
+        chunk = self.config.long_prefill_chunk or self.config.max_num_batched_tokens
+        return max_sequence_tokens(self.kv_layout, self.num_blocks, self.block_size, chunk,
+                                   self.max_model_len)  # fmt: skip
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         seqs = self.requests.get(request_id)

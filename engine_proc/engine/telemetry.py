@@ -132,16 +132,16 @@ def counters(
     }
 
 
-def group_block_counts(seqs: list[Sequence]) -> dict[str, float]:
-    """A hybrid KV cache's blocks by the attention type of the tables holding them: every block
-    of the full-attention table (group 0) grows with the context, the sliding groups' stay within
-    their window. Distinct block ids (a prefix shared by n > 1 forks counts once)."""
+def group_block_counts(seqs: list[Sequence], windows: tuple[int | None, ...]) -> dict[str, float]:
+    """A KV cache's blocks by the attention type of the tables holding them (`windows`: per
+    group, None = full attention): a full-attention table's blocks grow with the context, a
+    sliding group's stay within its window. Distinct block ids (a prefix shared by n > 1 forks
+    counts once)."""
     full: set[int] = set()
     sliding: set[int] = set()
     for seq in seqs:
-        full.update(seq.block_table)
-        for table in seq.group_tables:
-            sliding.update(table)
+        for window, table in zip(windows, (seq.block_table, *seq.group_tables), strict=False):
+            (full if window is None else sliding).update(table)
     full.discard(-1)
     sliding.discard(-1)
     return {"kv_blocks_full_attention": len(full), "kv_blocks_sliding_window": len(sliding)}
@@ -168,8 +168,8 @@ def build_snapshot(
         block_bytes,
         contiguous_bytes_per_request,
     )
-    if len(kv.windows) > 1:
-        c.update(group_block_counts(seqs))
+    if any(w is not None for w in kv.windows):
+        c.update(group_block_counts(seqs, kv.windows))
     events = list(stats.token_events)
     stats.token_events.clear()
     steps = list(stats.steps)

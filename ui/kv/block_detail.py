@@ -34,6 +34,10 @@ def detail_text(
     groups = live.group_tables if live is not None else []
     if groups:
         lines.insert(1 + len(spec), "full-attention layers")
+    elif any(b < 0 for b in table):  # every layer slides (Mistral): one table releases blocks
+        released = sum(1 for b in table if b < 0)
+        lines.insert(1 + len(spec), f"sliding-window layers: {released} blocks released "
+                                    "(left the window)")  # fmt: skip
     lines += table_lines(f, table, table_strips(live, f.block_size))
     for g, group_table in enumerate(groups, 1):
         released = sum(1 for b in group_table if b < 0)

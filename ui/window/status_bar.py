@@ -61,13 +61,14 @@ def _hybrid_split(model: object) -> tuple[int, int, int, int] | None:
     """(full layers, sliding layers, bytes per layer and token, window) of a hybrid KV cache
     (`ModelInfo.kv_groups` with sliding groups), or None."""
     groups = [_group_fields(g) for g in getattr(model, "kv_groups", None) or []]
-    if len(groups) < 2 or not model.num_layers:
+    window = max((w or 0 for w, _ in groups), default=0)
+    if not window or not model.num_layers:  # no sliding group (every block kept)
         return None
     per_layer, rest = divmod(model.kv_bytes_per_token, model.num_layers)
     if rest or not per_layer:
         return None
-    window = max(w or 0 for w, _ in groups[1:])
-    return groups[0][1], sum(n for _, n in groups[1:]), per_layer, window
+    full = sum(n for w, n in groups if w is None)
+    return full, sum(n for w, n in groups if w is not None), per_layer, window
 
 
 def hybrid_kv_formula(model: object) -> str:

@@ -125,8 +125,9 @@ def test_fused_steps_compute_transformers_forward(
     engine = _engine(path, "fused", block_size)
     if "layer_types" in params or arch == "gemma3":  # the hybrid cache: sliding groups
         assert engine.runner.layout is not None and engine.runner.layout.is_hybrid
-    # (Mistral's window on every layer keeps one table; the attention masks the window, which
-    # the 45-token prompt against windows of 8 and 13 puts to the test below)
+    # Mistral's window on every layer: one sliding table, releasing blocks (the fused step
+    # visits only the window's, which the 45-token prompt against windows of 8 and 13 tests)
+    assert engine.kv_layout.has_sliding_groups == ("sliding_window" in params)
     step = engine.runner.fused.step
     assert engine.runner.fused.state == "fused" and step is not None
     rows: dict[int, torch.Tensor] = {}  # position -> the fused step's final-norm hidden state

@@ -89,6 +89,30 @@ def test_sliding_groups_keep_releasing_blocks_while_speculating(engines) -> None
     assert ngram.kv.pool.num_free == ngram.num_blocks
 
 
+def test_a_model_whose_every_layer_slides_rolls_back_its_one_table() -> None:
+    """Mistral's window on every layer: drafts are rolled back in its one (sliding) table,
+    which keeps releasing blocks, and the tokens are the plain engine's."""
+    path = tiny_model_dir("mistral", num_heads=4, num_kv_heads=2, num_layers=2,
+                          sliding_window=WINDOW)  # fmt: skip
+    plain, ngram = make(path, None), make(path, SPEC)
+    assert ngram.kv_layout.windows == (WINDOW,)
+    prompts = PROMPTS + [PROMPTS[0]]
+    want = run(plain, prompts, params_list(temperature=0))
+    got = run(ngram, prompts, params_list(temperature=0))  # (run checks no block leaked)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec_counts(ngram)[1] > 0
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, logit_bias=ALPHABET)
+    ngram.add_request("long", PROMPTS[0], params)
+    held = []
+    while ngram.has_unfinished_requests():
+        ngram.step()
+        held += [sum(b != -1 for b in s.block_table) for f in ngram.requests.values()
+                 for s in f if s.num_computed_tokens > len(PROMPTS[0])]  # fmt: skip
+    bs = ngram.block_size
+    assert held and max(held) <= max_sliding_blocks(WINDOW, bs) + -(
+        -(1 + SPEC["num_speculative_tokens"]) // bs)
+
+
 def test_greedy_matches_transformers_with_a_draft_model(gemma_path) -> None:
     # the checkpoint as its own draft (run with 4-bit weights where they fit): its own hybrid
     # cache in the draft engine, drafts mostly right

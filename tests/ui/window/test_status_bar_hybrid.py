@@ -83,7 +83,7 @@ def test_the_formula_splits_full_and_sliding_layers_as_the_engine_holds_them(qtb
         f"hybrid KV cache: a {CONTEXT}-token chat holds {human_bytes(said)}, not "
         f"{human_bytes(contiguous)} contiguous")
 
-    counts = group_block_counts(engine.all_sequences())
+    counts = group_block_counts(engine.all_sequences(), engine.kv.windows)
     assert counts == {"kv_blocks_full_attention": len(seq.block_table),
                       "kv_blocks_sliding_window": held_blocks - len(seq.block_table)}
     assert counts["kv_blocks_sliding_window"] <= 3 * (-(-WINDOW // BLOCK) + 1)
