@@ -3,7 +3,8 @@ layer's blocks (issue 31): `python -m engine_proc.bench.hybrid_capacity [--conte
 
 The model has Gemma 3 270M's KV geometry (18 layers, every sixth global, the others sliding over
 512 tokens, 1 KV head of 256) over a narrow random body (hidden 64): the KV cache is the real
-model's, the compute small. `--chats` chats of `--context` tokens arrive at once on a pool that
+model's, the compute small; `--global-every 0` makes every layer slide, as Mistral's do.
+`--chats` chats of `--context` tokens arrive at once on a pool that
 holds `--full-chats` of them with every block kept; the count the engine runs at once (each with
 its whole prompt computed) is taken after every step, hybrid_kv on and off, in one run, and printed
 with their ratio beside the ratio the layout predicts (bytes a chat holds, full over hybrid).
@@ -39,14 +40,19 @@ BLOCK_SIZE = 16
 @dataclass(slots=True)
 class Geometry:
     num_layers: int = 18
-    global_every: int = 6  # Gemma 3: five sliding layers to one global
+    global_every: int = 6  # Gemma 3: five sliding layers to one global; 0: every layer slides
     window: int = 512
     num_kv_heads: int = 1
     head_dim: int = 256
 
     def layer_types(self) -> tuple[str, ...]:
-        return tuple(FULL_ATTENTION if (i + 1) % self.global_every == 0 else SLIDING_ATTENTION
+        every = self.global_every
+        return tuple(FULL_ATTENTION if every and (i + 1) % every == 0 else SLIDING_ATTENTION
                      for i in range(self.num_layers))  # fmt: skip
+
+    def describe(self) -> str:
+        full = sum(t == FULL_ATTENTION for t in self.layer_types())
+        return f"{self.num_layers} layers, {full} global, window {self.window}"
 
 
 @dataclass(slots=True)
@@ -133,23 +139,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full-chats", type=int, default=3,
                     help="chats the pool holds with every block kept (default 3)")
     ap.add_argument("--window", type=int, default=512, help="sliding window (default 512)")
+    ap.add_argument("--global-every", type=int, default=6,
+                    help="every Nth layer global (default 6, as Gemma 3); 0: every layer slides")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
     for name in ("context", "chats", "full_chats", "window"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.global_every < 0:
+        ap.error("--global-every must be 0 (every layer slides) or more")
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
-    g = Geometry(window=args.window)
+    g = Geometry(window=args.window, global_every=args.global_every)
     checkpoint = random_checkpoint(gemma3_shaped(g, args.context))
     outcomes = [run(checkpoint, g, args.context, args.chats, args.full_chats, hybrid)
                 for hybrid in (False, True)]  # fmt: skip
     predicted = (layer_tokens_per_chat(g, args.context, False)
                  / layer_tokens_per_chat(g, args.context, True))  # fmt: skip
     print(f"{args.chats} chats of {args.context:,} tokens, Gemma 3 270M KV geometry "
-          f"(18 layers, 3 global, window {g.window}), a pool for {args.full_chats} with every "
-          "block kept")  # fmt: skip
+          f"({g.describe()}), a pool for {args.full_chats} with every block kept")
     print("| KV cache | chats at once | preemptions | seconds |")
     print("|---|---|---|---|")
     for o in outcomes:

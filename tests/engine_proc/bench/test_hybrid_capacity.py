@@ -30,6 +30,20 @@ def test_the_hybrid_pool_runs_the_chats_its_layout_predicts():
     assert hc.layer_tokens_per_chat(G, CONTEXT, True) == (2 * 16 + 4 * 3) * 16
 
 
+@pytest.mark.slow
+def test_a_pool_runs_more_chats_when_every_layer_slides():
+    """Mistral's layout (--global-every 0): one sliding table per chat, which holds at most its
+    window and a chunk while prefilling; the pool for 2 kept chats runs every chat at once."""
+    g = hc.Geometry(num_layers=4, global_every=0, window=32, num_kv_heads=1, head_dim=16)
+    checkpoint = hc.random_checkpoint(hc.gemma3_shaped(g, CONTEXT))
+    kept = hc.run(checkpoint, g, CONTEXT, CHATS, FULL_CHATS, hybrid_kv=False, chunk=32)
+    sliding = hc.run(checkpoint, g, CONTEXT, CHATS, FULL_CHATS, hybrid_kv=True, chunk=32)
+    assert kept.peak_decoding == FULL_CHATS
+    # a pool of 2 x 17 blocks (pages of all 4 layers); a decoding chat holds 2 + 1 blocks
+    assert hc.layer_tokens_per_chat(g, CONTEXT, True) == 4 * 3 * 16
+    assert sliding.peak_decoding == CHATS
+
+
 def test_the_benchmark_worker_sizes_a_hybrid_pool_for_every_request_at_once():
     """engine_proc/bench/kvscope.py sizes the pool to hold a workload's requests at full length
     together; a hybrid cache keeps a table per group of layers (and a reserve per sliding
