@@ -1,7 +1,7 @@
 """Engine factory for the GUI tests:
 `python -m engine_proc serve --engine-factory tests.ui.engines:tiny_chat`.
 
-A tiny random Llama (tests/tiny_models.py) with the real SmolLM2 tokenizer and chat template, so
+A tiny random Llama (tests/tiny_models/) with the real SmolLM2 tokenizer and chat template, so
 the chat panel's messages go through the ordinary path, while loading takes seconds and decoding
 is fast. Random weights rarely emit EOS: replies run to max_tokens, which keeps tests predictable.
 Runs inside the engine process only (the GUI test process never imports torch).

@@ -28,7 +28,7 @@ from app.bench.workloads import (
 
 REPO = Path(__file__).resolve().parents[3]
 VOCAB = Vocab(49152, list(range(17)))
-# Tiny sizes for the tiny random model (tests/tiny_models.py: 2 layers, 2 KV heads of 16 dims,
+# Tiny sizes for the tiny random model (tests/tiny_models/: 2 layers, 2 KV heads of 16 dims,
 # 512 positions).
 TINY_KV = replace(
     QUICK, tiered_prompts=5, tiered_len=32, tiered_pool_prompts=2, tiered_requests=8,

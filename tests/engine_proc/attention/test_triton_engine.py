@@ -1,6 +1,6 @@
 """End to end: a tiny random Llama generates transformers' greedy tokens with the Triton kernels
 (interpreted on CPU, native on CUDA), chunked prompts and mixed prefill/decode steps included.
-The model is tests/tiny_models.py's, whose attention is far from uniform: a wrong kernel changes
+The model is tests/tiny_models/' Llama, whose attention is far from uniform: a wrong kernel changes
 its tokens."""
 
 import pytest

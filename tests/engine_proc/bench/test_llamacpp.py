@@ -1,6 +1,6 @@
 """engine_proc.bench.llamacpp: llama.cpp's batched C API serving a workload, checked token for
 token against llama-cpp-python's high-level API (greedy, one sequence at a time) on the tiny
-random Llama written as a GGUF (tests/tiny_models.py). llama-cpp-python is an optional peer of
+random Llama written as a GGUF (tests/tiny_models/). llama-cpp-python is an optional peer of
 the benchmark, not a dependency: the tests that run it skip when it is not importable."""
 
 from __future__ import annotations

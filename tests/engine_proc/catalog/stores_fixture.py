@@ -1,6 +1,6 @@
 """A home directory with one model in each store, laid out as each tool documents it
 (engine_proc/catalog/stores.py cites the layouts), from real tiny checkpoints
-(tests/tiny_models.py), plus models the engine refuses."""
+(tests/tiny_models/), plus models the engine refuses."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def _triton_engine(**config):
 
 
 def _llama_dir():
-    """tests/tiny_models.py's Llama: attention far from uniform, so a wrong kernel, padding row or
+    """tests/tiny_models/' Llama: attention far from uniform, so a wrong kernel, padding row or
     stale buffer changes its greedy tokens (tiny_engine's model barely depends on attention)."""
     return tiny_model_dir(
         "llama", num_heads=4, num_kv_heads=2, num_layers=2, max_position_embeddings=1024

@@ -1,6 +1,6 @@
 """engine_proc.loading.loader against independent references: transformers' own GGUF loader for the
 default model, the safetensors files themselves for HF directories, and GGUF files written the
-way llama.cpp's converter writes them (tests/tiny_models.py)."""
+way llama.cpp's converter writes them (tests/tiny_models/)."""
 
 from __future__ import annotations
 

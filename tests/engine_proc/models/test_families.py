@@ -127,7 +127,7 @@ GGUF_LAYOUTS = ["qwen3-gqa-head_dim32", "qwen3-mqa-tied", "gemma3-gqa-window8",
 
 @pytest.mark.parametrize("name", GGUF_LAYOUTS)
 def test_a_gguf_of_the_same_weights_gives_transformers_logits(name):
-    """llama.cpp's layout (tests/tiny_models.py writes it as convert_hf_to_gguf.py does: Gemma's
+    """llama.cpp's layout (tests/tiny_models/ writes it as convert_hf_to_gguf.py does: Gemma's
     norms as 1 + w, q/k norm tensors, the window, the local rotary base, the layer pattern)."""
     from tests.tiny_models import tiny_gguf_file
 

@@ -1,5 +1,5 @@
 """Gemma 2 (Gemma2ForCausalLM) against transformers' float32 forward and generate() on tiny
-random checkpoints (tests/tiny_models.py): alternating sliding-window / global layers with a
+random checkpoints (tests/tiny_models/): alternating sliding-window / global layers with a
 window shorter than the prompt, attention logit soft-capping and final logit soft-capping (the
 tiny models' caps, 2 and 5, bend their scores and logits), sandwich norms with (1 + w) weights,
 query_pre_attn_scalar, scaled embeddings, GELU-tanh; GQA, MQA, MHA, head_dim != hidden / heads,

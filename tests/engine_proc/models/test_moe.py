@@ -121,7 +121,7 @@ GGUF_LAYOUTS = ["qwen3moe-gqa-head_dim32-8x2", "qwen3moe-6x3-dense-middle-layer"
 
 @pytest.mark.parametrize("name", GGUF_LAYOUTS)
 def test_a_gguf_of_the_same_weights_gives_transformers_logits(name):
-    """llama.cpp's layout (tests/tiny_models.py writes it as convert_hf_to_gguf.py does: experts
+    """llama.cpp's layout (tests/tiny_models/ writes it as convert_hf_to_gguf.py does: experts
     stacked into ffn_{gate,up,down}_exps, the router as ffn_gate_inp, expert_count,
     expert_used_count and (qwen3moe) expert_feed_forward_length; Mixtral as `llama`)."""
     check_gguf(LAYOUTS[name], PROMPT)

@@ -1,5 +1,5 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM) against transformers' float32 forward and generate() on tiny
-random checkpoints (tests/tiny_models.py): fused qkv_proj / gate_up_proj split at load, GQA,
+random checkpoints (tests/tiny_models/): fused qkv_proj / gate_up_proj split at load, GQA,
 MQA, MHA, tied and untied, a sliding window shorter than the prompt, LongRoPE and partial
 rotary (Phi-4-mini's layout); block sizes 16 and 7, the prefix cache's second pass, preemption,
 and the GGUF of the same weights as llama.cpp's converter writes it.
