@@ -6,14 +6,15 @@ counts read from telemetry and by a brute-force recount of every block's referen
 
 from __future__ import annotations
 
+import functools
 import math
-import random
 
 import pytest
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.core.kv_cache_manager import NO_BLOCK
 from engine_proc.core.kv_groups import first_needed_block, max_sliding_blocks, plan_layout
+from tests.engine_proc.core.random_workloads import check_random_workload, prompt_of
 from tests.tiny_models import tiny_model_dir
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -55,18 +56,13 @@ def _engine(path, hybrid: bool = True, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**(config | kw)))
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 49152) for _ in range(n)]
-
-
 def test_a_long_request_holds_its_window_in_each_sliding_group(gemma_dir):
     engine = _engine(gemma_dir)
     info = engine.model_info()
     assert [g["window"] for g in info["kv_groups"]] == [None] + [WINDOW] * 5
     assert info["kv_groups"][0]["layers"] == [5]
     bs = engine.block_size
-    engine.add_request("long", _prompt(0, 200), SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("long", prompt_of(0, 200), SamplingParams(max_tokens=40, ignore_eos=True))
     seen_decode = False
     while engine.has_unfinished_requests():
         engine.step()
@@ -87,7 +83,7 @@ def test_a_long_request_holds_its_window_in_each_sliding_group(gemma_dir):
 
 
 def test_hybrid_and_keep_everything_give_the_same_tokens(gemma_dir):
-    prompts = [_prompt(i, n) for i, n in enumerate((60, 130, 17, 200))]
+    prompts = [prompt_of(i, n) for i, n in enumerate((60, 130, 17, 200))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     kept = _engine(gemma_dir, hybrid=False).generate(prompts, params)
     hybrid = _engine(gemma_dir)
@@ -99,65 +95,13 @@ def test_hybrid_and_keep_everything_give_the_same_tokens(gemma_dir):
     assert sum(o.num_cached_tokens for o in again) > 0
 
 
-def _recount(engine: LLMEngine) -> dict[int, int]:
-    refs: dict[int, int] = {}
-    for seqs in engine.requests.values():
-        for seq in seqs:
-            if seq.is_finished:
-                continue
-            for table in (seq.block_table, *seq.group_tables):
-                for b in table:
-                    if b != NO_BLOCK:
-                        refs[b] = refs.get(b, 0) + 1
-    return refs
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_random_workloads_on_tiny_pools_leak_nothing_and_change_no_token(gemma_dir, seed):
     """Random prompts sharing prefixes, n > 1, aborts, preemption and eviction in a pool of a
     few dozen blocks: after every step each block's reference count is the number of tables
     holding it; at the end every block is free; replies are those of a roomy keep-everything
     engine."""
-    rng = random.Random(seed)
-    shared = _prompt(100 + seed, rng.randrange(20, 70))
-    jobs = []
-    for i in range(8):
-        head = shared if rng.random() < 0.6 else []
-        prompt = head + _prompt(seed * 50 + i, rng.randrange(5, 90))
-        n = rng.choice((1, 1, 2))
-        jobs.append((f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(4, 30), n=n,
-                                                      temperature=0, ignore_eos=True)))
-    # the replies of a roomy keep-everything engine, all jobs in one batch (outputs in prompt
-    # order, n per prompt)
-    outs = iter(_engine(gemma_dir, hybrid=False).generate([p for _, p, _ in jobs],
-                                                          [params for _, _, params in jobs]))
-    want = {rid: [next(outs).token_ids for _ in range(params.n)] for rid, _, params in jobs}
-    tight = _engine(gemma_dir, num_kv_blocks=rng.randrange(40, 60), max_num_seqs=6)
-    pool = tight.kv.pool
-    aborted = set(rng.sample([rid for rid, _, _ in jobs], 2))
-    got: dict[str, dict[int, list[int]]] = {}
-    pending = list(jobs)
-    steps = 0
-    while pending or tight.has_unfinished_requests():
-        if pending and rng.random() < 0.5:
-            rid, prompt, params = pending.pop(0)
-            tight.add_request(rid, prompt, params)
-        for out in tight.step():
-            got.setdefault(out.request_id, {})[out.index] = out.token_ids
-        steps += 1
-        if steps == 6:
-            for rid in aborted:
-                if tight.is_active(rid):
-                    tight.abort_request(rid)
-        refs = _recount(tight)
-        for block in pool.blocks:
-            assert block.ref_count == refs.get(block.block_id, 0), (steps, block)
-        assert pool.num_free == pool.num_blocks - len(refs)
-    assert pool.num_free == pool.num_blocks
-    for rid, outs in got.items():
-        if rid in aborted:
-            continue
-        assert [outs[i] for i in sorted(outs)] == want[rid], rid
+    check_random_workload(functools.partial(_engine, gemma_dir), seed, (40, 60))
 
 
 def test_what_a_hybrid_cache_cannot_do_yet_is_refused_by_name(gemma_dir, tmp_path):
@@ -173,7 +117,7 @@ def test_a_hit_needs_each_sliding_groups_last_window(gemma_dir):
     """The full group keeps a prompt's whole prefix but the sliding groups' copies are gone
     (evicted: they leave the window, so they go first): no block of that prefix may be reused,
     and the reply is the cold one."""
-    prompt = _prompt(7, 150)
+    prompt = prompt_of(7, 150)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     engine = _engine(gemma_dir)
     (cold,) = engine.generate([prompt], params)

@@ -6,7 +6,7 @@ of every block's references."""
 
 from __future__ import annotations
 
-import random
+import functools
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ import torch
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
 from engine_proc.core.kv_cache_manager import NO_BLOCK, block_hash, root_hash
 from engine_proc.core.kv_groups import max_sliding_blocks, plan_layout
-from tests.engine_proc.core.test_kv_groups import SLIDING, _prompt, _recount
+from tests.engine_proc.core.random_workloads import check_random_workload, prompt_of
 from tests.tiny_models import hf_reference_model, tiny_model_dir
 
 WINDOW = 13
@@ -34,14 +34,14 @@ def _engine(path, hybrid: bool = True, **kw) -> LLMEngine:
 
 
 def test_every_layer_sliding_is_one_sliding_group():
-    layout = plan_layout((SLIDING,) * 4, 4, 16)
+    layout = plan_layout(("sliding_attention",) * 4, 4, 16)
     assert layout.windows == (16,) and not layout.is_hybrid and layout.has_sliding_groups
     assert layout.layer_slot == (0, 1, 2, 3) and layout.group_size == 4
 
 
 def test_greedy_tokens_are_transformers_past_the_window(mistral_dir):
     ref = hf_reference_model(mistral_dir)
-    prompts = [_prompt(1, 40), _prompt(2, 9)]
+    prompts = [prompt_of(1, 40), prompt_of(2, 9)]
     got = _engine(mistral_dir).generate(prompts, GREEDY)
     for prompt, out in zip(prompts, got, strict=True):
         with torch.no_grad():
@@ -59,7 +59,7 @@ def test_a_long_chat_holds_only_its_window(mistral_dir):
     info = engine.model_info()
     assert [g["window"] for g in info["kv_groups"]] == [WINDOW]
     bs = engine.block_size
-    engine.add_request("long", _prompt(0, 120), SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("long", prompt_of(0, 120), SamplingParams(max_tokens=40, ignore_eos=True))
     decoded = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -82,7 +82,7 @@ def test_a_long_chat_holds_only_its_window(mistral_dir):
 def test_a_chat_longer_than_the_pool_runs_and_matches_keeping_every_block(mistral_dir):
     """10 blocks of 8 tokens hold 80 tokens; the window's blocks and a chunk's are all a
     sliding table ever holds, so a 300-token prompt and its reply run."""
-    prompt = _prompt(3, 300)
+    prompt = prompt_of(3, 300)
     tight = _engine(mistral_dir, num_kv_blocks=10, long_prefill_chunk=32)
     assert tight.max_total_tokens >= 400
     (got,) = tight.generate([prompt], GREEDY)
@@ -95,7 +95,7 @@ def test_a_hit_needs_only_the_last_windows_blocks(mistral_dir):
     """The same prompt again hits up to its last full block, even with the blocks before the
     window gone from the cache; with a block inside the window gone, it hits no further than
     that block. Each time the reply is the cold one."""
-    prompt = _prompt(7, 100)
+    prompt = prompt_of(7, 100)
     engine = _engine(mistral_dir)
     bs = engine.block_size
     (cold,) = engine.generate([prompt], GREEDY)
@@ -119,42 +119,9 @@ def test_a_hit_needs_only_the_last_windows_blocks(mistral_dir):
 @pytest.mark.parametrize("seed", range(3))
 def test_random_workloads_on_tiny_pools_leak_nothing_and_change_no_token(mistral_dir, seed):
     """Shared prefixes, n > 1, aborts, preemption and eviction in a pool of a couple of dozen
-    blocks: after every step each block's reference count is the number of tables holding it;
-    at the end every block is free; replies are those of a roomy keep-everything engine."""
-    rng = random.Random(seed)
-    shared = _prompt(100 + seed, rng.randrange(20, 70))
-    jobs = []
-    for i in range(8):
-        head = shared if rng.random() < 0.6 else []
-        prompt = head + _prompt(seed * 50 + i, rng.randrange(5, 90))
-        jobs.append((f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(4, 30),
-                                                      n=rng.choice((1, 1, 2)), temperature=0,
-                                                      ignore_eos=True)))  # fmt: skip
-    outs = iter(_engine(mistral_dir, hybrid=False).generate([p for _, p, _ in jobs],
-                                                            [params for *_, params in jobs]))
-    want = {rid: [next(outs).token_ids for _ in range(params.n)] for rid, _, params in jobs}
-    tight = _engine(mistral_dir, num_kv_blocks=rng.randrange(18, 30), max_num_seqs=6)
-    pool = tight.kv.pool
-    aborted = set(rng.sample([rid for rid, _, _ in jobs], 2))
-    got: dict[str, dict[int, list[int]]] = {}
-    pending, steps = list(jobs), 0
-    while pending or tight.has_unfinished_requests():
-        if pending and rng.random() < 0.5:
-            tight.add_request(*pending.pop(0))
-        for out in tight.step():
-            got.setdefault(out.request_id, {})[out.index] = out.token_ids
-        steps += 1
-        if steps == 6:
-            for rid in aborted:
-                if tight.is_active(rid):
-                    tight.abort_request(rid)
-        refs = _recount(tight)
-        for block in pool.blocks:
-            assert block.ref_count == refs.get(block.block_id, 0), (steps, block)
-    assert pool.num_free == pool.num_blocks
-    for rid, by_index in got.items():
-        if rid not in aborted:
-            assert [by_index[i] for i in sorted(by_index)] == want[rid], rid
+    blocks: reference counts against a recount after every step, every block free at the end,
+    the replies of a roomy keep-everything engine."""
+    check_random_workload(functools.partial(_engine, mistral_dir), seed, (18, 30))
 
 
 def test_what_it_cannot_do_yet_is_refused_by_name(mistral_dir, tmp_path):
