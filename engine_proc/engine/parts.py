@@ -48,3 +48,5 @@ class EngineParts:
     requests: dict[str, list[Sequence]]
     stats: EngineStats
     histograms: RequestHistograms
+    # engine/speculation.py: a finished sequence's draft-model grammar state is dropped
+    _forget_drafts: Callable[[Sequence], None]

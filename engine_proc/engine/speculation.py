@@ -11,6 +11,7 @@ from engine_proc.core.request import Sequence
 from engine_proc.engine.parts import EngineParts
 from engine_proc.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
 from engine_proc.spec_decode.ngram import NgramProposer
+from engine_proc.structured.draft import DraftGrammars
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,10 @@ class Speculation(EngineParts):
             return NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
             )
-        return DraftModelProposer(self._draft_engine(config, spec), spec.num_speculative_tokens)
+        draft = self._draft_engine(config, spec)
+        # the drafts of a constrained sequence follow its grammar (xgrammar loads with the first)
+        constraints = DraftGrammars(draft.model_config.vocab_size)
+        return DraftModelProposer(draft, spec.num_speculative_tokens, constraints)
 
     def _draft_engine(self, config: EngineConfig, spec: SpeculativeConfig):
         """The draft model's engine: the target's device, dtype, decode step and limits, a pool
@@ -137,4 +141,8 @@ class Speculation(EngineParts):
             k = self._draft_room(seq, min(seq.params.max_tokens - seq.num_output_tokens - 1,
                                           seq.max_total_tokens - seq.num_tokens - 1))
             wanted.append((seq, k))
-        proposer.prepare(wanted)
+        proposer.prepare(wanted, self.scheduler.running)
+
+    def _forget_drafts(self, seq: Sequence) -> None:
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.forget(seq)

@@ -193,6 +193,8 @@ class StepOutputs(EngineParts):
         seq.status = SequenceStatus.FINISHED
         seq.num_forks = 1  # a request that ends before its prompt is done never forks
         self.transfer.release_held(seq)
+        if seq.grammar is not None:
+            self._forget_drafts(seq)
         seq.finish_reason = reason
         seq.error = error
         seq.metrics.finished_time = self.clock()
