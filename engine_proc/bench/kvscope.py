@@ -152,6 +152,7 @@ def engine_config_for(system: str, workload: dict, args: argparse.Namespace,
 
 def _build(config: Any, args: argparse.Namespace, ckpt: Any = None) -> Any:
     from engine_proc import LLMEngine
+    from engine_proc.config import largest_chunk
 
     if ckpt is None:
         ckpt = load_engine_checkpoint(args.model, args.dtype, args.cache_dir)
@@ -160,7 +161,7 @@ def _build(config: Any, args: argparse.Namespace, ckpt: Any = None) -> Any:
     if groups > 1 and args.kv_blocks is None and config.num_kv_blocks is not None:
         # A hybrid KV cache (sliding-window layers) keeps one table per group of layers: the
         # pool sized for one table holds a request in each, plus each sliding group's reserve.
-        chunk = config.long_prefill_chunk or config.max_num_batched_tokens
+        chunk = largest_chunk(config.long_prefill_chunk, config.max_num_batched_tokens)
         reserve = sum(-(-(window + chunk) // engine.block_size) + 1
                       for window in engine.kv_layout.windows[1:])  # as max_total_tokens counts
         config = dataclasses.replace(config,

@@ -91,5 +91,5 @@ def max_sequence_tokens(layout: KVLayout, num_blocks: int, block_size: int, chun
     if layout.windows[0] is not None:
         if blocks >= 0:
             return max_model_len
-        blocks = num_blocks - 1  # every block of a shorter one fits, and the next partial one
+        blocks = num_blocks  # a sequence never holds more blocks than its tokens fill
     return max(1, min(max_model_len, blocks * block_size))

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine_proc.config import check_limits
+from engine_proc.config import DEFAULT_PREFILL_CHUNK, check_limits
 from engine_proc.core.kv_cache_manager import KVCacheManager, longrope_root
 from engine_proc.core.request import Sequence, SequenceStatus
 
@@ -24,7 +24,9 @@ from engine_proc.core.request import Sequence, SequenceStatus
 class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
-    long_prefill_chunk: int  # 0 = no per-prompt cap below the token budget
+    # 0 = no per-prompt cap below the token budget; None: DEFAULT_PREFILL_CHUNK unless the
+    # prompt is alone (EngineConfig.long_prefill_chunk)
+    long_prefill_chunk: int | None
 
 
 @dataclass(slots=True)
@@ -100,9 +102,17 @@ class Scheduler:
         assert len(batch.seqs) <= self.limits.max_num_seqs
         return batch
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        cap = self.limits.long_prefill_chunk or remaining
-        return min(remaining, cap, budget)
+    def _chunk(self, seq: Sequence, remaining: int, budget: int, alone: bool,
+               cached: list) -> int:  # fmt: skip
+        """The tokens of seq's prompt this step; `alone`: nothing else runs or waits, so the
+        default rule gives it the whole budget where the pool has room for that at once."""
+        cap = self.limits.long_prefill_chunk
+        if cap is None:
+            cap = DEFAULT_PREFILL_CHUNK
+            whole = min(remaining, budget)
+            if alone and whole > cap and self.kv.can_allocate(seq, whole, cached):
+                cap = whole
+        return min(remaining, cap or remaining, budget)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
@@ -112,7 +122,8 @@ class Scheduler:
                 self._preempt(self.running.pop(i), batch)
                 continue
             self.kv.trim(seq)  # a hybrid cache's sliding groups: blocks out of the window
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            alone = len(self.running) == 1 and not self.waiting
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget, alone, [])
             later = len(self.running) - i - 1  # sequences still to schedule this step
             seq.spec_token_ids = self._drafts(seq, budget, later) if n == 1 else []
             n += len(seq.spec_token_ids)
@@ -160,7 +171,8 @@ class Scheduler:
                 break
             cached = self.kv.find_cached_prefix(seq)
             num_cached = len(cached) * self.kv.block_size
-            n = self._chunk(seq.num_tokens - num_cached, budget)
+            alone = not self.running and len(self.waiting) == 1
+            n = self._chunk(seq, seq.num_tokens - num_cached, budget, alone, cached)
             if not self.kv.can_allocate(seq, n, cached):
                 break
             self.waiting.popleft()

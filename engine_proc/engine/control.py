@@ -9,6 +9,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from engine_proc.config import DEFAULT_PREFILL_CHUNK
 from engine_proc.core.kv_events import KVEvent, KVEventLog, full_replay
 from engine_proc.core.request import Sequence
 from engine_proc.engine.chat_render import reasoning_parser_of, tool_parser_of
@@ -21,9 +22,10 @@ logger = logging.getLogger("engine_proc.engine.llm_engine")
 
 class LiveControl(EngineParts):
     def live_config(self) -> dict[str, int | bool]:
-        return dataclasses.asdict(self.scheduler.limits) | {
-            "enable_prefix_caching": self.kv.enable_caching
-        }
+        limits = dataclasses.asdict(self.scheduler.limits)
+        if limits["long_prefill_chunk"] is None:  # the chunk while others run (a prompt alone
+            limits["long_prefill_chunk"] = DEFAULT_PREFILL_CHUNK  # takes the whole budget)
+        return limits | {"enable_prefix_caching": self.kv.enable_caching}
 
     def set_limits(
         self,

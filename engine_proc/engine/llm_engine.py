@@ -21,7 +21,7 @@ from engine_proc.attention.kv_fp8 import calibrate_fp8_scales, calibration_token
 from engine_proc.attention.kv_quant import SCALE_DTYPE as KV_SCALE_DTYPE
 from engine_proc.attention.kv_quant import kv_bytes_per_token, resolve_kv_cache_dtype
 from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
-from engine_proc.config import EngineConfig
+from engine_proc.config import EngineConfig, largest_chunk
 from engine_proc.core.kv_cache_manager import KVCacheManager, root_hash
 from engine_proc.core.kv_groups import KVLayout
 from engine_proc.core.kv_sizing import (
@@ -332,7 +332,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
 
     @property
     def max_total_tokens(self) -> int:
-        chunk = self.config.long_prefill_chunk or self.config.max_num_batched_tokens
+        chunk = largest_chunk(self.config.long_prefill_chunk, self.config.max_num_batched_tokens)
         return max_sequence_tokens(self.kv_layout, self.num_blocks, self.block_size, chunk,
                                    self.max_model_len)  # fmt: skip
 

@@ -134,12 +134,19 @@ def cpu_has_native_bf16() -> bool:
     of bf16 products depends on it (float32 upcast or not, how many rows use the bf16 output
     projection), so tests pass ``native_bf16`` (or replace this function) to run either branch
     on any CPU."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
 def bf16_lm_head_rows(native_bf16: bool) -> int:
@@ -148,17 +155,25 @@ def bf16_lm_head_rows(native_bf16: bool) -> int:
     return MAX_ROWS if native_bf16 else EMULATED_BF16_ROWS
 
 
-# Float32 CPU products of prompt-sized steps run on oneDNN instead of torch's default BLAS (MKL):
-# measured on a 2-core AVX-512 EPYC, oneDNN is 1.15-1.6x faster for such products (MKL takes a
-# slower path on non-Intel CPUs). Float32 either way, summed in another order. oneDNN takes the
-# largest multiple of this many rows (so it sees at most max_num_batched_tokens / 256 row
-# counts); smaller steps (decode) and the rest of the rows stay on MKL, as in transformers.
+# Float32 CPU products of prompt-sized steps run on oneDNN instead of torch's default BLAS (MKL)
+# on CPUs with AVX-512: measured on a 2-core AVX-512 EPYC (Zen 5), oneDNN is 1.15-1.6x faster
+# for such products (MKL takes a slower path on non-Intel CPUs); on a 2-core AVX2 EPYC (Zen 1)
+# it is 1.04-1.22x slower (the default model's four products at 1,000 rows: 45.0 vs 40.3 ms),
+# so MKL keeps them there, as in transformers. Float32 either way, summed in another order.
+# oneDNN takes the largest multiple of this many rows (so it sees at most
+# max_num_batched_tokens / 256 row counts); smaller steps (decode) and the rest of the rows stay
+# on MKL.
 ONEDNN_ROWS = 256
 
 
 @functools.cache
 def onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear_preferred() -> bool:
+    """oneDNN for float32 prompt products: where it is there and measured faster (AVX-512)."""
+    return onednn_linear_available() and "avx512f" in cpu_flags()
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -174,17 +189,19 @@ class Linear:
       weights: the upcast reads the weights once, which costs far less than the emulated bf16
       GEMM would;
     - a float32 CPU product of at least ``ONEDNN_ROWS`` rows runs on oneDNN (but for its last
-      ``rows % ONEDNN_ROWS`` rows)."""
+      ``rows % ONEDNN_ROWS`` rows) where ``onednn`` (default: onednn_linear_preferred())."""
 
     def __init__(
-        self, device: torch.device, dtype: torch.dtype, native_bf16: bool | None = None
-    ) -> None:
+        self, device: torch.device, dtype: torch.dtype, native_bf16: bool | None = None,
+        onednn: bool | None = None,
+    ) -> None:  # fmt: skip
         if native_bf16 is None:
             native_bf16 = cpu_has_native_bf16()
+        if onednn is None:
+            onednn = onednn_linear_preferred()
         self.upcast = dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16
-        self.onednn = (
-            dtype == torch.float32 and device.type == "cpu" and onednn_linear_available()
-        )
+        self.onednn = (onednn and dtype == torch.float32 and device.type == "cpu"
+                       and onednn_linear_available())  # fmt: skip
 
     def __call__(
         self,

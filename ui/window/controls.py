@@ -27,7 +27,8 @@ LIMITS = (
     ("max_num_batched_tokens", "token budget / step", 16, 8192, 16,
      "max_num_batched_tokens: prompt + decode tokens computed per step"),
     ("long_prefill_chunk", "prefill chunk", 0, 4096, 16,
-     "long_prefill_chunk: the most prompt tokens one request may take per step (0 = no limit)"),
+     "long_prefill_chunk: the most prompt tokens one request may take per step (0 = no limit). "
+     "Until set here: 512 while other requests run, and a prompt alone takes the whole budget"),
 )
 
 

@@ -55,7 +55,7 @@ def test_random_workloads_keep_invariants_and_free_every_block(w):
         enable_prefix_caching=w["caching"],
         max_num_seqs=rng.randint(1, 6),
         max_num_batched_tokens=rng.randint(8, 64),
-        long_prefill_chunk=rng.choice([0, 1, 3, 16]),
+        long_prefill_chunk=rng.choice([0, 1, 3, 16, None]),  # None: the default rule
     )
     limit = engine.max_total_tokens
     shared = [rng.randrange(128) for _ in range(rng.randint(0, 24))]
@@ -107,3 +107,43 @@ def test_random_workloads_keep_invariants_and_free_every_block(w):
     pool = engine.kv.pool
     assert pool.num_free == pool.num_blocks
     assert all(b.ref_count == 0 for b in pool.blocks)
+
+
+
+def _prefill_steps(engine) -> list[int]:
+    """Prompt tokens of each step so far that computed any."""
+    return [s.num_prefill_tokens for s in engine.stats.steps if s.num_prefill_tokens]
+
+
+def _ids(n: int) -> list[int]:
+    return [3 + i % 100 for i in range(n)]  # the tiny model's vocabulary is 128
+
+
+def test_a_prompt_alone_takes_the_whole_budget_by_default():
+    """long_prefill_chunk=None: a prompt with nothing else running or waiting is computed in
+    one step (up to the token budget), since it makes no one wait."""
+    engine = tiny_engine(max_num_batched_tokens=700)  # the tiny model's context: 1,024
+    engine.add_request("alone", _ids(1000), SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _prefill_steps(engine) == [700, 300]
+
+
+def test_beside_other_requests_the_default_chunk_applies():
+    from engine_proc.config import DEFAULT_PREFILL_CHUNK
+
+    engine = tiny_engine(max_num_batched_tokens=2048)
+    engine.add_request("talking", [120] * 17, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.add_request("long", _ids(1000), SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.requests["long"][0].num_computed_tokens == DEFAULT_PREFILL_CHUNK
+    assert engine.is_active("talking")
+
+
+def test_a_chunk_set_by_hand_applies_alone_too():
+    engine = tiny_engine(long_prefill_chunk=64)
+    engine.add_request("alone", _ids(200), SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _prefill_steps(engine) == [64, 64, 64, 8]

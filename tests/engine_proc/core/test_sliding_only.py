@@ -91,6 +91,22 @@ def test_a_chat_longer_than_the_pool_runs_and_matches_keeping_every_block(mistra
     assert tight.kv.pool.num_free == tight.num_blocks
 
 
+def test_a_prompt_alone_takes_the_default_chunks_where_the_pool_cannot_take_it_whole(mistral_dir):
+    """The default rule gives a prompt alone the whole token budget only where the pool has the
+    blocks for it at once: 80 blocks of 8 hold the 512-token default chunk beside the window,
+    not 1,500 tokens, so those go in default chunks (and the reply is the keep-everything
+    engine's)."""
+    prompt = prompt_of(5, 1500)
+    engine = _engine(mistral_dir, num_kv_blocks=80, long_prefill_chunk=None,
+                     max_num_batched_tokens=2048)  # fmt: skip
+    (got,) = engine.generate([prompt], GREEDY)
+    steps = [s.num_prefill_tokens for s in engine.stats.steps if s.num_prefill_tokens]
+    assert steps == [512, 512, 476]
+    (want,) = _engine(mistral_dir, hybrid=False, num_kv_blocks=400).generate([prompt], GREEDY)
+    assert got.token_ids == want.token_ids
+    assert engine.kv.pool.num_free == engine.num_blocks
+
+
 def test_a_hit_needs_only_the_last_windows_blocks(mistral_dir):
     """The same prompt again hits up to its last full block, even with the blocks before the
     window gone from the cache; with a block inside the window gone, it hits no further than

@@ -6,10 +6,13 @@ preemption under a small pool."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from engine_proc import EngineConfig, LLMEngine, SamplingParams
+from tests.engine_proc.models.family_checks import check_preemption_with
 from tests.engine_proc.models.test_llama import all_position_logits
 from tests.tiny_models import hf_reference_model, tiny_model_dir
 
@@ -83,14 +86,7 @@ def test_logits_and_greedy_tokens_match_transformers(name, block_size):
 
 @pytest.mark.parametrize("name", ["mistral-gqa-window5", "gemma3-gqa-window8"])
 def test_preemption_under_a_small_pool_changes_no_token(name):
-    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(0, 40, 10)]
-    roomy = _engine(name).generate(prompts, GREEDY)
-    # 4 requests of 45 + 12 tokens need 4 x 4 blocks of 16; 9 blocks force preemptions
-    tight = _engine(name, num_kv_blocks=9, enable_prefix_caching=False)
-    outs = tight.generate(prompts, GREEDY)
-    assert tight.stats.num_preemptions > 0
-    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
-    assert tight.kv.pool.num_free == tight.num_blocks
+    check_preemption_with(functools.partial(_engine, name))
 
 
 def test_gemma3_folds_its_one_plus_weight_norms_and_scales():

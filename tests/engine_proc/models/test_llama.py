@@ -176,7 +176,7 @@ def test_float32_prompt_products_run_on_onednn_within_float32_rounding(monkeypat
         return real(x, weight, bias)
 
     monkeypatch.setattr(llama, "onednn_linear", counting)
-    linear = llama.Linear(torch.device("cpu"), torch.float32)
+    linear = llama.Linear(torch.device("cpu"), torch.float32, onednn=True)  # on any CPU
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 96, generator=gen)
     bias = torch.randn(48, generator=gen)
@@ -195,7 +195,11 @@ def test_float32_prompt_products_run_on_onednn_within_float32_rounding(monkeypat
     small = torch.randn(rows - 1, 96, generator=gen)  # decode-sized: torch's default BLAS
     assert torch.equal(linear(small, weight, bias), torch.nn.functional.linear(small, weight, bias))
     assert calls == [rows, 2 * rows]
-    assert not llama.Linear(torch.device("cpu"), torch.bfloat16).onednn  # float32 only
+    assert not llama.Linear(torch.device("cpu"), torch.bfloat16, onednn=True).onednn  # float32
+    # by default only on CPUs with AVX-512, where it was measured faster than MKL
+    for flags, want in ((frozenset({"avx2", "avx512f"}), True), (frozenset({"avx2"}), False)):
+        monkeypatch.setattr(llama, "cpu_flags", lambda flags=flags: flags)
+        assert llama.Linear(torch.device("cpu"), torch.float32).onednn is want
 
 
 # In a fresh process: float32 products of 150 different row counts (what a server's prompt
@@ -207,7 +211,7 @@ from engine_proc.models.layers import Linear
 torch.set_num_threads(1)
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-linear = Linear(torch.device("cpu"), torch.float32)
+linear = Linear(torch.device("cpu"), torch.float32, onednn=True)
 weight = torch.randn(3072, 576)
 for i, rows in enumerate(random.Random(0).sample(range(32, 2048), 150)):
     linear(torch.randn(rows, 576), weight)
