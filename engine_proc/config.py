@@ -119,7 +119,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Sliding-window layers in KV groups of their own that release blocks out of the window
     # (engine_proc/core/kv_groups.py); False: one table for every layer, every block kept.
-    hybrid_kv: bool = True
+    # None: released unless KV tiers (or fp8 KV on a model with full and sliding layers) need
+    # every block, which the log says; True refuses those combinations by name
+    # (engine_proc/engine/kv_layout.py).
+    hybrid_kv: bool | None = None
     attention_backend: str = "auto"
     # Decode steps replayed from CUDA graphs (CUDA + Triton backend only); False = always eager.
     cuda_graphs: bool = True
@@ -147,6 +150,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.hybrid_kv is not None and not isinstance(self.hybrid_kv, bool):
+            raise ValueError(f"hybrid_kv must be true, false or null, got {self.hybrid_kv!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in SUPPORTED_BACKENDS:

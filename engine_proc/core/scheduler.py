@@ -114,6 +114,19 @@ class Scheduler:
                 cap = whole
         return min(remaining, cap or remaining, budget)
 
+    def _fit(self, seq: Sequence, n: int, cached: list) -> int:
+        """The most of seq's next n tokens the pool has blocks for now (0: none). A chunk that
+        does not fit while nothing else runs would wait forever: a chunk size raised live past
+        what max_total_tokens was sized for, under a sliding window that holds its chunk."""
+        low, high = 0, n
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.kv.can_allocate(seq, mid, cached):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -124,6 +137,8 @@ class Scheduler:
             self.kv.trim(seq)  # a hybrid cache's sliding groups: blocks out of the window
             alone = len(self.running) == 1 and not self.waiting
             n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget, alone, [])
+            if n > 1 and len(self.running) == 1 and not self.kv.can_allocate(seq, n, []):
+                n = max(1, self._fit(seq, n, []))  # no one else could free blocks for it
             later = len(self.running) - i - 1  # sequences still to schedule this step
             seq.spec_token_ids = self._drafts(seq, budget, later) if n == 1 else []
             n += len(seq.spec_token_ids)
@@ -174,7 +189,11 @@ class Scheduler:
             alone = not self.running and len(self.waiting) == 1
             n = self._chunk(seq, seq.num_tokens - num_cached, budget, alone, cached)
             if not self.kv.can_allocate(seq, n, cached):
-                break
+                if self.running:  # they free blocks as they finish
+                    break
+                n = self._fit(seq, n, cached)  # nothing runs: a smaller chunk, or none ever
+                if n == 0:
+                    break
             self.waiting.popleft()
             if self.kv.enable_caching:
                 batch.prefix_cache_queries += seq.num_tokens

@@ -23,10 +23,8 @@ from engine_proc.attention.kv_quant import kv_bytes_per_token, resolve_kv_cache_
 from engine_proc.attention.kv_quant import pool_dtype as kv_pool_dtype
 from engine_proc.config import EngineConfig, largest_chunk
 from engine_proc.core.kv_cache_manager import KVCacheManager, root_hash
-from engine_proc.core.kv_groups import KVLayout
 from engine_proc.core.kv_sizing import (
     block_bytes,
-    engine_layout,
     max_sequence_tokens,
     pool_blocks,
 )
@@ -36,6 +34,7 @@ from engine_proc.detokenizer import IncrementalDetokenizer
 from engine_proc.engine.batch import BatchGeneration
 from engine_proc.engine.control import LiveControl
 from engine_proc.engine.device import resolve_decode_weights, resolve_device
+from engine_proc.engine.kv_layout import choose_kv_layout
 from engine_proc.engine.metrics import RequestHistograms
 from engine_proc.engine.speculation import Speculation
 from engine_proc.engine.step_outputs import StepOutputs
@@ -92,7 +91,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
         self.kv_bytes_per_token = kv_bytes_per_token(
             kv_dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
         )
-        self.kv_layout = layout = self._kv_layout(config, kv_dtype)
+        self.kv_layout = layout = choose_kv_layout(mc, config, kv_dtype, self.max_model_len)
         self.block_size = config.block_size
         # a block (page) holds group_size layers: every layer without groups
         self.block_bytes = block_bytes(
@@ -170,7 +169,8 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
             if layout.has_sliding_groups:
                 raise ValueError(
                     "kv_host_memory / kv_disk_dir (KV tiers) do not hold a hybrid KV cache's "
-                    f"sliding-window groups yet ({mc.architecture}); use hybrid_kv=False")
+                    f"sliding-window groups yet ({mc.architecture}); leave hybrid_kv unset, or "
+                    "set it False")
             self.kv.attach_tiers(
                 KVTiers(
                     kv_cache,
@@ -312,23 +312,6 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
             det.emitted = len(det.text)
         if kv_transfer.payloads or seq.num_output_tokens:
             seq.held_blocks = self.transfer.adopt(seq, kv_transfer.payloads)
-
-    def _kv_layout(self, config: EngineConfig, kv_dtype: str) -> KVLayout:
-        mc = self.model_config
-        layout = engine_layout(mc.layer_types, mc.num_layers, mc.sliding_window, config.hybrid_kv)
-        if not layout.is_hybrid:
-            if layout.has_sliding_groups:
-                logger.info("sliding-window KV cache: every layer's window is %d tokens; blocks "
-                            "that leave it are released", mc.sliding_window)  # fmt: skip
-            return layout
-        if kv_dtype == "fp8":
-            raise ValueError("kv_cache_dtype='fp8' (per-layer scales) with a hybrid KV cache "
-                             f"({mc.architecture}) is not supported; use hybrid_kv=False or "
-                             "another kv_cache_dtype")  # fmt: skip
-        logger.info("hybrid KV cache: %d groups of %d layers (full: layers %s; window %d)",
-                    layout.num_groups, layout.group_size, layout.layers_of(0),
-                    mc.sliding_window)  # fmt: skip
-        return layout
 
     @property
     def max_total_tokens(self) -> int:

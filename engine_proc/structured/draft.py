@@ -54,11 +54,13 @@ class DraftGrammars:
         key = (seq.request_id, seq.index)
         state = self.tracked.get(key)
         outputs = seq.output_token_ids
-        if state is None or state.compiled is not target.compiled or state.consumed > len(outputs):
-            state = self.tracked[key] = Tracked(target.compiled, self._matcher(target))
-        if state.matcher is None or target.rejected:
-            return None
         try:
+            if (state is None or state.compiled is not target.compiled
+                    or state.consumed > len(outputs)):  # fmt: skip
+                state = self.tracked[key] = Tracked(target.compiled, None)
+                state.matcher = self._matcher(target)
+            if state.matcher is None or target.rejected:
+                return None
             for token in outputs[state.consumed :]:
                 if not state.matcher.accept_token(token):
                     raise ValueError(f"the grammar refuses confirmed token {token}")

@@ -50,7 +50,7 @@ def gemma_dir():
                           sliding_window=WINDOW, max_position_embeddings=1024)  # fmt: skip
 
 
-def _engine(path, hybrid: bool = True, **kw) -> LLMEngine:
+def _engine(path, hybrid: bool | None = True, **kw) -> LLMEngine:
     config = dict(model=str(path), num_kv_blocks=400, block_size=16, hybrid_kv=hybrid,
                   long_prefill_chunk=24)  # fmt: skip
     return LLMEngine(EngineConfig(**(config | kw)))
@@ -104,13 +104,27 @@ def test_random_workloads_on_tiny_pools_leak_nothing_and_change_no_token(gemma_d
     check_random_workload(functools.partial(_engine, gemma_dir), seed, (40, 60))
 
 
-def test_what_a_hybrid_cache_cannot_do_yet_is_refused_by_name(gemma_dir, tmp_path):
+def test_what_a_hybrid_cache_cannot_do_yet_keeps_every_block_or_is_refused_by_name(gemma_dir,
+                                                                                   tmp_path):
+    """KV tiers and fp8 KV need every block: left unset, hybrid_kv keeps them (and says so in
+    the log); hybrid_kv=True refuses the combination by name."""
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
         _engine(gemma_dir, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="KV tiers"):
         _engine(gemma_dir, kv_disk_dir=str(tmp_path))
-    # with hybrid_kv=False both work as for any model
+    for kw in ({"kv_cache_dtype": "fp8"}, {"kv_disk_dir": str(tmp_path / "auto")}):
+        auto = _engine(gemma_dir, hybrid=None, **kw)
+        assert not auto.kv_layout.has_sliding_groups, kw
+        (out,) = auto.generate([prompt_of(1, 40)], SamplingParams(max_tokens=4))
+        assert len(out.token_ids) == 4
     _engine(gemma_dir, hybrid=False, kv_disk_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="hybrid_kv must be true, false or null"):
+        _engine(gemma_dir, hybrid=1)
+
+
+def test_a_window_covering_the_whole_context_keeps_one_full_group(gemma_dir):
+    engine = _engine(gemma_dir, hybrid=None, max_model_len=WINDOW)
+    assert engine.kv_layout.windows == (None,)
 
 
 def test_a_hit_needs_each_sliding_groups_last_window(gemma_dir):

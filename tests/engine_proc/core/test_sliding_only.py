@@ -27,7 +27,7 @@ def mistral_dir():
                           sliding_window=WINDOW, max_position_embeddings=2048)  # fmt: skip
 
 
-def _engine(path, hybrid: bool = True, **kw) -> LLMEngine:
+def _engine(path, hybrid: bool | None = True, **kw) -> LLMEngine:
     config = dict(model=str(path), num_kv_blocks=400, block_size=8, hybrid_kv=hybrid,
                   long_prefill_chunk=24, dtype="float32")  # fmt: skip
     return LLMEngine(EngineConfig(**(config | kw)))
@@ -140,7 +140,34 @@ def test_random_workloads_on_tiny_pools_leak_nothing_and_change_no_token(mistral
     check_random_workload(functools.partial(_engine, mistral_dir), seed, (18, 30))
 
 
-def test_what_it_cannot_do_yet_is_refused_by_name(mistral_dir, tmp_path):
+def test_kv_tiers_keep_every_block_unless_told_to_refuse(mistral_dir, tmp_path):
     with pytest.raises(ValueError, match="KV tiers"):
-        _engine(mistral_dir, kv_disk_dir=str(tmp_path))
-    _engine(mistral_dir, hybrid=False, kv_disk_dir=str(tmp_path))  # every block kept: works
+        _engine(mistral_dir, hybrid=True, kv_disk_dir=str(tmp_path))
+    kept = _engine(mistral_dir, hybrid=None, kv_disk_dir=str(tmp_path / "auto"))
+    assert kept.kv_layout.windows == (None,) and kept.kv.tiers is not None
+    prompt = prompt_of(9, 60)
+    (got,) = kept.generate([prompt], GREEDY)
+    (want,) = _engine(mistral_dir).generate([prompt], GREEDY)
+    assert got.token_ids == want.token_ids
+
+
+def test_a_chunk_raised_live_past_the_pool_still_runs_a_prompt_alone(mistral_dir):
+    """max_total_tokens was sized for the 512-token default chunk beside the window; a chunk
+    limit lifted live (0 = the whole budget) would ask for more blocks than the pool has, and
+    with nothing else running no block would ever come free: the prompt takes what fits."""
+    engine = _engine(mistral_dir, num_kv_blocks=80, long_prefill_chunk=None,
+                     max_num_batched_tokens=2048)  # fmt: skip
+    engine.set_limits(long_prefill_chunk=0)
+    prompt = prompt_of(6, 1500)
+    engine.add_request("long", prompt, GREEDY)
+    outs = []
+    for _ in range(200):
+        outs += engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert outs and outs[-1].finished
+    (want,) = _engine(mistral_dir, hybrid=False, num_kv_blocks=400).generate([prompt], GREEDY)
+    assert outs[-1].token_ids == want.token_ids
+    steps = [s.num_prefill_tokens for s in engine.stats.steps if s.num_prefill_tokens]
+    assert sum(steps) == 1500 and max(steps) > 512  # fitted chunks, larger than the default
+    assert engine.kv.pool.num_free == engine.num_blocks
