@@ -22,7 +22,7 @@ from tests.tiny_models.session import (
     TOKENIZER_VOCAB_SIZE,
     _cache,
     _session_dir,
-    tiny_tokenizer_dir,
+    save_to_cache,
 )
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3") + PHI_GEMMA2_ARCHITECTURES
@@ -78,12 +78,7 @@ def tiny_model_dir(
 
     model = AutoModelForCausalLM.from_config(config)
     _randomize(model, seed)
-    out = _session_dir() / f"model-{len(_cache)}"
-    model.save_pretrained(str(out))
-    for item in tiny_tokenizer_dir().iterdir():
-        shutil.copy(item, out / item.name)
-    _cache[key] = out
-    return out
+    return save_to_cache(model, "model", key)
 
 
 def with_chat_template(model_dir: Path, template: str, name: str) -> Path:

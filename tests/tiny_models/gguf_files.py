@@ -26,20 +26,18 @@ def tiny_gguf_file(architecture: str = "llama", **params: Any) -> Path:
     """The tiny_model_dir(architecture, **params) weights written as llama.cpp would: float32
     GGUF, llama.cpp tensor names, q/k rows permuted for llama, rope_freqs for llama3 scaling,
     the tokenizer's vocabulary and chat template in the metadata."""
-    hf_dir = tiny_model_dir(architecture, **params)
-    key = f"gguf:{hf_dir}"
-    if key not in _cache:
-        out = hf_dir.parent / f"{hf_dir.name}.gguf"
-        _write_gguf(hf_dir, out)
-        _cache[key] = out
-    return _cache[key]
+    return _gguf_of(tiny_model_dir(architecture, **params))
 
 
 def tiny_moe_gguf_file(architecture: str = "qwen3_moe", **params: Any) -> Path:
     """tiny_moe_model_dir(architecture, **params) written as llama.cpp's converter writes it:
     experts stacked into ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the expert counts
     in the metadata (Mixtral as `llama`, q/k rows permuted)."""
-    hf_dir = tiny_moe_model_dir(architecture, **params)
+    return _gguf_of(tiny_moe_model_dir(architecture, **params))
+
+
+def _gguf_of(hf_dir: Path) -> Path:
+    """The GGUF of a tiny checkpoint directory, written once a session."""
     key = f"gguf:{hf_dir}"
     if key not in _cache:
         out = hf_dir.parent / f"{hf_dir.name}.gguf"
@@ -165,14 +163,8 @@ def _write_gguf(hf_dir: Path, out: Path) -> None:
     for name, value in tensors.items():
         if config["tie_word_embeddings"] and name == "lm_head.weight":
             continue
-        if name in _GGUF_GLOBAL:
-            gguf_name = _GGUF_GLOBAL[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            gguf_name = f"blk.{layer}.{layer_names[rest]}"
-        value = np.ascontiguousarray(value, dtype=np.float32)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            value = value + np.float32(1.0)  # Gemma3Model.norm_shift: llama.cpp stores 1 + w
+        # Gemma3Model.norm_shift: llama.cpp stores 1 + w
+        gguf_name, value = _gguf_tensor(name, value, layer_names, arch == "gemma3")
         if arch == "llama" and ".attn_q." in gguf_name:
             value = _llama_cpp_permute(value, heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
@@ -284,16 +276,24 @@ def _write_gguf_phi_gemma2(hf_dir: Path, out: Path, config: dict) -> None:
     for name, value in tensors.items():
         if name == "lm_head.weight" and (config["tie_word_embeddings"] or arch == "gemma2"):
             continue
-        if name in _GGUF_GLOBAL:
-            gguf_name = _GGUF_GLOBAL[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            gguf_name = f"blk.{layer}.{layer_names[rest]}"
-        value = np.ascontiguousarray(value, dtype=np.float32)
-        if arch == "gemma2" and name.endswith("norm.weight"):
-            value = value + np.float32(1.0)  # Gemma2Model.modify_tensors: llama.cpp stores 1 + w
+        # Gemma2Model.modify_tensors: llama.cpp stores 1 + w
+        gguf_name, value = _gguf_tensor(name, value, layer_names, arch == "gemma2")
         writer.add_tensor(gguf_name, np.ascontiguousarray(value))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _gguf_tensor(name: str, value: Any, layer_names: dict[str, str],
+                 norm_shift: bool) -> tuple[str, np.ndarray]:  # fmt: skip
+    """llama.cpp's name of an HF tensor and its float32 values (Gemma's norms as 1 + w)."""
+    if name in _GGUF_GLOBAL:
+        gguf_name = _GGUF_GLOBAL[name]
+    else:
+        _, _, layer, rest = name.split(".", 3)
+        gguf_name = f"blk.{layer}.{layer_names[rest]}"
+    value = np.ascontiguousarray(value, dtype=np.float32)
+    if norm_shift and name.endswith("norm.weight"):
+        value = value + np.float32(1.0)
+    return gguf_name, value

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,7 @@ from tests.tiny_models.session import (
     EOS_TOKEN_ID,
     TOKENIZER_VOCAB_SIZE,
     _cache,
-    _session_dir,
-    tiny_tokenizer_dir,
+    save_to_cache,
 )
 
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
@@ -90,12 +88,7 @@ def tiny_moe_model_dir(
     model = AutoModelForCausalLM.from_config(config)
     _randomize(model, seed)
     _randomize_experts(model, seed)
-    out = _session_dir() / f"moe-model-{len(_cache)}"
-    model.save_pretrained(str(out))
-    for item in tiny_tokenizer_dir().iterdir():
-        shutil.copy(item, out / item.name)
-    _cache[key] = out
-    return out
+    return save_to_cache(model, "moe-model", key)
 
 
 @torch.no_grad()

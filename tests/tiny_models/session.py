@@ -42,3 +42,14 @@ def tiny_tokenizer_dir() -> Path:
         tokenizer.save_pretrained(str(out))
         _cache["tokenizer"] = out
     return _cache["tokenizer"]
+
+
+def save_to_cache(model: object, stem: str, key: str) -> Path:
+    """Save a tiny transformers model with the shared tokenizer under the session directory,
+    cached under `key`."""
+    out = _session_dir() / f"{stem}-{len(_cache)}"
+    model.save_pretrained(str(out))
+    for item in tiny_tokenizer_dir().iterdir():
+        shutil.copy(item, out / item.name)
+    _cache[key] = out
+    return out
