@@ -26,9 +26,10 @@ from engine_proc.attention.base import AttentionMetadata
 class _Prefill:
     start: int  # first token of the chunk in the flat batch
     q_len: int
-    blocks: torch.Tensor  # the sequence's blocks covering its context
+    blocks: torch.Tensor  # the sequence's blocks covering its context (a window's, sliding)
     seq_len: int
     mask: torch.Tensor | None  # None: a fresh prompt, plain causal
+    first_key: int = 0  # position of the first key in `blocks` (a window's first block's)
 
 
 @dataclass(slots=True)
@@ -36,7 +37,8 @@ class _Decode:
     token_idx: torch.Tensor | None  # [B] rows of the flat batch; None: every row, in order
     tables: torch.Tensor  # [B, blocks] with -1 clamped to 0 (masked below)
     max_len: int
-    mask: torch.Tensor | None  # [B, 1, 1, max_len]; None when every sequence sees max_len keys
+    mask: torch.Tensor | None  # [B, 1, 1, keys]; None when every sequence sees max_len keys
+    first_key: int = 0  # position of the first gathered key (the earliest window's block)
 
 
 @dataclass(slots=True)
@@ -85,8 +87,8 @@ class TorchAttentionBackend:
                                                        window)  # fmt: skip
         out = torch.empty_like(query)
         for p in plan.prefills:
-            k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len].to(query.dtype)
-            v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len].to(query.dtype)
+            k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len - p.first_key].to(query.dtype)
+            v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len - p.first_key].to(query.dtype)
             q = query[p.start : p.start + p.q_len]
             out[p.start : p.start + p.q_len] = attend(q, k, v, p.mask, scale)
         if plan.decode is not None:
@@ -95,7 +97,8 @@ class TorchAttentionBackend:
             # index_select over the flattened block ids: one gather per layer and tensor.
             k = k_cache.index_select(0, d.tables.view(-1)).view(b, -1, *k_cache.shape[2:])
             v = v_cache.index_select(0, d.tables.view(-1)).view(b, -1, *v_cache.shape[2:])
-            k, v = k[:, : d.max_len].to(query.dtype), v[:, : d.max_len].to(query.dtype)
+            keys = d.max_len - d.first_key
+            k, v = k[:, :keys].to(query.dtype), v[:, :keys].to(query.dtype)
             q = query if d.token_idx is None else query[d.token_idx]
             if softcap is None:
                 o = F.scaled_dot_product_attention(
@@ -124,16 +127,19 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device,
         if q_len == 1:
             decode_rows.append(s)
         else:
-            blocks = meta.block_tables[s, : -(-seq_len // block_size)]
             context = seq_len - q_len
+            # a sliding layer's chunk reads from its first query's window on: the blocks
+            # before it may be released (-1 in the table), and are never read
+            first = 0 if window is None else max(0, context - window + 1) // block_size
+            blocks = meta.block_tables[s, first : -(-seq_len // block_size)]
             mask = None
             if context or (window is not None and window < seq_len):
                 q_pos = torch.arange(context, seq_len, device=device)[:, None]
-                k_pos = torch.arange(seq_len, device=device)[None, :]
+                k_pos = torch.arange(first * block_size, seq_len, device=device)[None, :]
                 mask = k_pos <= q_pos
                 if window is not None:
                     mask &= k_pos > q_pos - window
-            prefills.append(_Prefill(start, q_len, blocks, seq_len, mask))
+            prefills.append(_Prefill(start, q_len, blocks, seq_len, mask, first * block_size))
         start += q_len
     return _Plan(prefills, _decode_plan(meta, decode_rows, block_size, device, window))
 
@@ -147,19 +153,22 @@ def _decode_plan(
     seq_lens = [meta.seq_lens_cpu[s] for s in rows]
     max_len = max(seq_lens)
     rows_t = torch.tensor(rows, device=device)
-    tables = meta.block_tables[rows_t, : -(-max_len // block_size)].clamp(min=0)
-    mask = None  # equal lengths (a single stream, always): SDPA's unmasked kernel is faster
     windowed = window is not None and window < max_len
+    # sliding: from the block holding the earliest window's first key on (rows whose window
+    # starts later mask the keys before it; released blocks, -1, are clamped and masked)
+    first = min(max(0, n - window) for n in seq_lens) // block_size if windowed else 0
+    tables = meta.block_tables[rows_t, first : -(-max_len // block_size)].clamp(min=0)
+    mask = None  # equal lengths (a single stream, always): SDPA's unmasked kernel is faster
     if min(seq_lens) < max_len or windowed:
         lens = torch.tensor(seq_lens, device=device)[:, None]
-        k_pos = torch.arange(max_len, device=device)[None, :]
+        k_pos = torch.arange(first * block_size, max_len, device=device)[None, :]
         visible = k_pos < lens
         if windowed:
             visible &= k_pos >= lens - window
         mask = visible[:, None, None, :]
     all_rows = len(rows) == len(meta.query_lens_cpu) == sum(meta.query_lens_cpu)
     token_idx = None if all_rows else meta.query_start_loc[rows_t + 1].long() - 1
-    return _Decode(token_idx, tables.contiguous(), max_len, mask)
+    return _Decode(token_idx, tables.contiguous(), max_len, mask, first * block_size)
 
 
 def _attend(
