@@ -36,8 +36,8 @@ def choose_kv_layout(mc: ModelConfig, config: EngineConfig, kv_dtype: str,
         return engine_layout(mc.layer_types, mc.num_layers, window, False)
     if fp8:
         raise ValueError("kv_cache_dtype='fp8' (per-layer scales) with a hybrid KV cache "
-                         f"({mc.architecture}) is not supported; use hybrid_kv=False or "
-                         "another kv_cache_dtype")  # fmt: skip
+                         f"({mc.architecture}) is not supported; leave hybrid_kv unset or False "
+                         "(--hybrid-kv auto / off), or use another kv_cache_dtype")  # fmt: skip
     if layout.is_hybrid:
         logger.info("hybrid KV cache: %d groups of %d layers (full: layers %s; window %d)",
                     layout.num_groups, layout.group_size, layout.layers_of(0),

@@ -170,7 +170,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
                 raise ValueError(
                     "kv_host_memory / kv_disk_dir (KV tiers) do not hold a hybrid KV cache's "
                     f"sliding-window groups yet ({mc.architecture}); leave hybrid_kv unset, or "
-                    "set it False")
+                    "set it False (--hybrid-kv auto / off)")
             self.kv.attach_tiers(
                 KVTiers(
                     kv_cache,
@@ -282,7 +282,8 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
             if self.kv_layout.has_sliding_groups:
                 raise ValueError("kv_transfer (disaggregated prefill/decode) does not carry a "
                                  "hybrid KV cache's sliding-window groups yet; serve this model "
-                                 "colocated, or with hybrid_kv=False")  # fmt: skip
+                                 "colocated, or with hybrid_kv=False "
+                                 "(--hybrid-kv off)")  # fmt: skip
             self._take_over(seq, kv_transfer)
         # A constraint that is known not to compile raises here (ValueError); one that is
         # compiling parks the sequence until step() finds its grammar ready.

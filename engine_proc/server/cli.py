@@ -57,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--long-prefill-chunk", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--hybrid-kv",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="release the KV blocks that leave a sliding window (Gemma, Mistral, Phi-3): on; off "
+        "keeps every block; auto (default): on unless KV tiers (or fp8 KV on a model with full "
+        "and sliding layers) need every block",
+    )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     add_kernel_arguments(g)
     add_kv_tier_arguments(g)
@@ -158,6 +166,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         num_kv_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        hybrid_kv={"auto": None, "on": True, "off": False}[getattr(args, "hybrid_kv", "auto")],
         seed=args.seed,
         num_threads=args.num_threads,
         speculative_config=getattr(args, "speculative_config", None),

@@ -171,3 +171,20 @@ def test_a_chunk_raised_live_past_the_pool_still_runs_a_prompt_alone(mistral_dir
     steps = [s.num_prefill_tokens for s in engine.stats.steps if s.num_prefill_tokens]
     assert sum(steps) == 1500 and max(steps) > 512  # fitted chunks, larger than the default
     assert engine.kv.pool.num_free == engine.num_blocks
+
+
+def test_serve_takes_hybrid_kv_from_the_command_line(mistral_dir):
+    import argparse
+
+    from engine_proc.server.cli import add_arguments, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    windows = {}
+    for choice in ("auto", "on", "off"):
+        args = parser.parse_args(["--model", str(mistral_dir), "--num-blocks", "64",
+                                  "--hybrid-kv", choice])  # fmt: skip
+        windows[choice] = build_engine(args).kv_layout.windows
+    assert windows == {"auto": (WINDOW,), "on": (WINDOW,), "off": (None,)}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hybrid-kv", "maybe"])
