@@ -356,6 +356,8 @@ class KVCacheManager:
             if seq.block_table[i] == NO_BLOCK:  # every layer slides: released before it filled
                 continue
             parent = seq.block_table[i - 1] if i else -1
+            if parent == NO_BLOCK:  # released (every layer slides): where its prefix still is
+                parent = self.pool.hash_to_block.get(hashes[i - 1], NO_BLOCK)
             block = self.pool.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.pool.cache(block, h, parent, hashes[i - 1] if i else None, tokens)
