@@ -53,7 +53,7 @@ class EngineLifecycle(QObject):
         w.remote.reset()
         w.banner.setVisible(False)
         w.chat.set_engine_ready(False, "starting the engine…")
-        w.restart_btn.setText("Reconnect" if w.source.is_remote else "Restart engine")
+        w.banner.restart_btn.setText("Reconnect" if w.source.is_remote else "Restart engine")
         if w.source.connect:
             w.set_state("starting", f"connecting to {w.source.connect}")
             self.open_link(w.source.connect)
@@ -217,11 +217,11 @@ class EngineLifecycle(QObject):
     def show_banner(self, text: str) -> None:
         w = self.w
         tail = w.supervisor.tail(40) if w.supervisor else []
-        w.banner_text.setText(text + (" Last lines of its log below." if tail else ""))
-        w.banner_log.setPlainText("\n".join(tail) if tail else "(no engine log: attached "
+        w.banner.text.setText(text + (" Last lines of its log below." if tail else ""))
+        w.banner.log.setPlainText("\n".join(tail) if tail else "(no engine log: attached "
                                   "with --connect)")
-        w.banner_log.setVisible(bool(tail))
-        w.log_btn.setChecked(bool(tail))
+        w.banner.log.setVisible(bool(tail))
+        w.banner.log_btn.setChecked(bool(tail))
         w.banner.setVisible(True)
 
     def restart(self) -> None:

@@ -16,11 +16,8 @@ from typing import Any, Protocol
 from PySide6.QtCore import QSettings, QTimer
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
-    QFrame,
-    QLabel,
     QMessageBox,
-    QPlainTextEdit,
-    QPushButton,
+    QSplitter,
     QStackedWidget,
     QStatusBar,
     QTabWidget,
@@ -41,6 +38,7 @@ from ui.remote.link import RemoteLink
 from ui.remote.metrics_history import MetricsHistory
 from ui.telemetry import Frame, History
 from ui.window.api_server import ApiServer, ApiServerDialog
+from ui.window.banner import EngineBanner
 from ui.window.connect_dialog import ConnectDialog
 from ui.window.controls import ControlsPanel, LoadPanel
 from ui.window.source import EngineSource
@@ -123,12 +121,10 @@ class WindowHost(Protocol):
     kv_tabs: QTabWidget
     kv_stack: QStackedWidget
     chart_stack: QStackedWidget
+    main_split: QSplitter  # chat | the engine's views
+    right_split: QSplitter  # KV views / charts / controls
     status: StatusBarView
-    banner: QFrame
-    banner_text: QLabel
-    banner_log: QPlainTextEdit
-    log_btn: QPushButton
-    restart_btn: QPushButton
+    banner: EngineBanner
     connect_dialog: ConnectDialog | None
     # the OpenAI API server and its menu item
     api: ApiServer
@@ -144,6 +140,9 @@ class WindowHost(Protocol):
     kv_events: KvEventsPart
 
     def statusBar(self) -> QStatusBar: ...  # noqa: N802 - Qt's name
+    def saveGeometry(self) -> Any: ...  # noqa: N802 - Qt's name
+    def restoreGeometry(self, geometry: Any) -> bool: ...  # noqa: N802 - Qt's name
+    def resize(self, width: int, height: int) -> None: ...
     def set_state(self, state: str, detail: str = "") -> None: ...
     def update_menu(self) -> None: ...
     def restart_engine(self) -> None: ...

@@ -35,13 +35,9 @@ import time
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QCloseEvent
 from PySide6.QtWidgets import (
-    QFrame,
     QHBoxLayout,
-    QLabel,
     QMainWindow,
     QMessageBox,
-    QPlainTextEdit,
-    QPushButton,
     QSplitter,
     QStackedWidget,
     QTabWidget,
@@ -52,9 +48,8 @@ from PySide6.QtWidgets import (
 from app.conversations import ConversationStore
 from app.load_generator import LoadConfig
 from app.remote.probe import ServerInfo
-from app.settings import load_sampling, save_sampling
+from app.settings import load_sampling
 from app.supervisor import EngineSupervisor
-from ui import theme
 from ui.charts.engine import ChartsWidget
 from ui.charts.experts import ExpertRoutingView
 from ui.chat.chat_menu import ChatMenu
@@ -72,6 +67,7 @@ from ui.remote.metrics_history import MetricsHistory
 from ui.telemetry import History
 from ui.window.api import ApiToggle
 from ui.window.api_server import ApiServer, ApiServerDialog
+from ui.window.banner import EngineBanner
 from ui.window.connect_dialog import ConnectDialog
 from ui.window.controls import ControlsPanel, LoadPanel, config_dict
 from ui.window.engine import EngineLifecycle
@@ -80,6 +76,7 @@ from ui.window.feed import TelemetryFeed
 from ui.window.kv_events import KvEventsWatch
 from ui.window.models_menu import ModelMenu
 from ui.window.options import EngineOptionMenus
+from ui.window.persist import restore_window_state, save_window_state
 from ui.window.remote import RemoteWatch
 from ui.window.source import EngineSource
 from ui.window.status_bar import StatusBarView
@@ -162,7 +159,7 @@ class MainWindow(QMainWindow):
         self.api.restarted.connect(lambda ep: log.info("API server restarted against %s", ep))
         self.feed.timer.timeout.connect(lambda: self.tier_panel.show_frame(self.history.latest))
         self.feed.timer.start()
-        self._restore_geometry()
+        restore_window_state(self)
 
     @property
     def _frames_seen(self) -> int:  # `python -m app --measure-latency` reads it
@@ -170,31 +167,7 @@ class MainWindow(QMainWindow):
 
     # --- layout ----------------------------------------------------------------------------
     def _build_layout(self) -> None:
-        self.banner = QFrame()
-        self.banner.setObjectName("banner")
-        self.banner.setStyleSheet("QFrame#banner { background: #4a1f24; border-radius: 4px; }")
-        bl = QVBoxLayout(self.banner)
-        bl.setContentsMargins(8, 6, 8, 6)
-        row = QHBoxLayout()
-        self.banner_text = QLabel()
-        self.banner_text.setWordWrap(True)
-        self.banner_text.setStyleSheet("color: #ffd6d6; font-weight: bold;")
-        self.restart_btn = QPushButton("Restart engine")
-        self.restart_btn.clicked.connect(self.restart_engine)
-        self.log_btn = QPushButton("Show log")
-        self.log_btn.setCheckable(True)
-        row.addWidget(self.banner_text, 1)
-        row.addWidget(self.log_btn)
-        row.addWidget(self.restart_btn)
-        bl.addLayout(row)
-        self.banner_log = QPlainTextEdit()
-        self.banner_log.setReadOnly(True)
-        self.banner_log.setFont(theme.mono_font(8))
-        self.banner_log.setMaximumHeight(160)
-        self.banner_log.setVisible(False)
-        self.log_btn.toggled.connect(self.banner_log.setVisible)
-        bl.addWidget(self.banner_log)
-        self.banner.setVisible(False)
+        self.banner = EngineBanner(self.restart_engine)
 
         bottom = QWidget()
         bot = QHBoxLayout(bottom)
@@ -387,35 +360,7 @@ class MainWindow(QMainWindow):
             self.load_panel.set_running(True)
             self.link.start_load(config)
 
-    # --- settings and shutdown --------------------------------------------------------------
-    def _restore_geometry(self) -> None:
-        for key, box in self.load_panel.boxes().items():
-            try:
-                box.setValue(int(self.settings.value(f"load/{key}", box.value())))
-            except (TypeError, ValueError):
-                pass
-        geo = self.settings.value("window/geometry")
-        if geo is not None:
-            self.restoreGeometry(geo)
-        else:
-            self.resize(1600, 1000)
-        for key, split in (("window/main_split", self.main_split),
-                           ("window/right_split", self.right_split)):
-            state = self.settings.value(key)
-            if state is not None:
-                split.restoreState(state)
-
-    def save_settings(self) -> None:
-        self.settings.setValue("window/geometry", self.saveGeometry())
-        self.settings.setValue("window/main_split", self.main_split.saveState())
-        self.settings.setValue("window/right_split", self.right_split.saveState())
-        save_sampling(self.settings, self.chat.sampling())
-        for key, box in self.load_panel.boxes().items():
-            self.settings.setValue(f"load/{key}", box.value())
-        if self.chat.current is not None:
-            self.settings.setValue("chat/current", self.chat.current.id)
-        self.settings.sync()
-
+    # --- shutdown --------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Save everything, close the link, stop a spawned engine. Idempotent."""
         if self.closing:
@@ -423,7 +368,7 @@ class MainWindow(QMainWindow):
         self.closing = True
         self.feed.timer.stop()
         self.chat.shutdown()
-        self.save_settings()
+        save_window_state(self)
         if self.link is not None:
             self.link.stop(timeout=2.0)
             self.link = None

@@ -200,7 +200,7 @@ def test_a_pair_that_comes_back_as_another_server_is_watched_as_that(fake, windo
     other.port = fake.port  # the same URL, another server behind it
     with other:
         assert wait_until(lambda: win.kv_stack.currentWidget() is win.kv_aggregate, 30,
-                          QApplication.instance()), (win.state, win.banner_text.text())
+                          QApplication.instance()), (win.state, win.banner.text.text())
         assert win.chart_stack.currentWidget() is win.metric_charts and not view.active
         assert "vLLM" in win.model_label.text() and win.state in ("ready", "busy")
 
@@ -217,5 +217,5 @@ def test_one_engine_that_comes_back_as_a_pair_is_watched_as_a_pair(fake, window)
         view = win.remote.disagg
         assert wait_until(lambda: view.histories["prefill"].frames.n == N
                           and view.histories["decode"].frames.n == N, 30,
-                          QApplication.instance()), (win.state, win.banner_text.text())
+                          QApplication.instance()), (win.state, win.banner.text.text())
         assert win.kv_stack.currentWidget() is view.panel and win.state in ("ready", "busy")

@@ -134,7 +134,7 @@ def test_wrong_key_is_refused_clearly(server, qapp, tmp_path, qtbot):
     try:
         win.start_engine()
         qtbot.waitUntil(lambda: win.state == "disconnected", timeout=60_000)
-        assert "refused the API key (401)" in win.banner_text.text()
+        assert "refused the API key (401)" in win.banner.text.text()
     finally:
         win.shutdown()
         win.close()
@@ -161,7 +161,7 @@ def test_a_restarted_kvscope_server_is_picked_up_again(tiny_dir, qapp, tmp_path,
         assert proc.stop() is not None
         last_old = win.history.latest.time
         qtbot.waitUntil(lambda: win.state == "not answering", timeout=60_000)
-        assert "not answering" in win.banner_text.text() and win.link is not None
+        assert "not answering" in win.banner.text.text() and win.link is not None
         proc = ServeProc(args).wait_healthy()  # the same URL, another engine behind it
         qtbot.waitUntil(lambda: win.state in ("ready", "busy") and win.welcome is not None
                         and win.welcome.client_id != first_welcome.client_id, timeout=60_000)

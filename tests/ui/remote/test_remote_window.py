@@ -279,18 +279,18 @@ def test_unreachable_wrong_key_and_not_openai(open_window, qtbot):
         url = fake.url
     win = open_window(url, wait=False)  # nothing listens there now
     qtbot.waitUntil(lambda: win.state == "disconnected", timeout=30_000)
-    assert win.banner.isVisible() and f"Cannot watch {url}" in win.banner_text.text()
-    assert "cannot reach" in win.banner_text.text()
-    assert win.restart_btn.text() == "Reconnect" and not win.chat.send_btn.isEnabled()
+    assert win.banner.isVisible() and f"Cannot watch {url}" in win.banner.text.text()
+    assert "cannot reach" in win.banner.text.text()
+    assert win.banner.restart_btn.text() == "Reconnect" and not win.chat.send_btn.isEnabled()
     win.chat.input.setPlainText("still typing")  # responsive
     with FakeServer("vllm", fixture_texts("vllm_v1"), api_key="right-key") as fake:
         win = open_window(fake.url, api_key="wrong-key", wait=False)
         qtbot.waitUntil(lambda: win.state == "disconnected", timeout=30_000)
-        assert "refused the API key (401)" in win.banner_text.text()
+        assert "refused the API key (401)" in win.banner.text.text()
         fake.models_body = b"<html><body>It works!</body></html>"
         win = open_window(fake.url, api_key="right-key", wait=False)
         qtbot.waitUntil(lambda: win.state == "disconnected", timeout=30_000)
-        assert "is not an OpenAI-compatible server" in win.banner_text.text()
+        assert "is not an OpenAI-compatible server" in win.banner.text.text()
 
 
 @pytest.mark.parametrize("raw,why", [
@@ -317,7 +317,7 @@ def test_a_server_that_restarts_is_picked_up_again(open_window, qtbot):
         _settle(win, 2)
         fake.stop()
         qtbot.waitUntil(lambda: win.state == "not answering", timeout=30_000)
-        assert win.banner.isVisible() and "not answering" in win.banner_text.text()
+        assert win.banner.isVisible() and "not answering" in win.banner.text.text()
         qtbot.wait(500)  # still retrying, never given up
         assert win.link is not None and win.state == "not answering"
         fake.metrics = fixture_texts("sglang")  # it comes back as something else, same port

@@ -36,7 +36,7 @@ def test_attached_engine_not_answering_recovers_then_is_given_up_when_it_dies(qt
         # Frozen: no heartbeat, no telemetry. Attached, the window has only the silence to go by.
         engine.proc.send_signal(signal.SIGSTOP)
         qtbot.waitUntil(lambda: win.state == "not answering", timeout=60_000)
-        assert win.banner.isVisible() and "not answering" in win.banner_text.text()
+        assert win.banner.isVisible() and "not answering" in win.banner.text.text()
         engine.proc.send_signal(signal.SIGCONT)
         qtbot.waitUntil(lambda: win.state == "ready", timeout=60_000)
         assert not win.banner.isVisible()
@@ -53,9 +53,9 @@ def test_attached_engine_not_answering_recovers_then_is_given_up_when_it_dies(qt
         qtbot.waitUntil(lambda: win.state == "not answering", timeout=60_000)
         qtbot.waitUntil(lambda: win.state == "disconnected", timeout=60_000)
         assert win.last_error == "the engine stopped answering"
-        assert "attached with --connect" in win.banner_log.toPlainText()
+        assert "attached with --connect" in win.banner.log.toPlainText()
         assert reply.interrupted and reply.content  # the text so far is kept, marked
-        assert not win.chat.send_btn.isEnabled() and win.restart_btn.isEnabled()
+        assert not win.chat.send_btn.isEnabled() and win.banner.restart_btn.isEnabled()
     finally:
         engine.proc.send_signal(signal.SIGCONT)
         win.shutdown()

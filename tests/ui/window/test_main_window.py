@@ -199,10 +199,10 @@ def test_engine_death_then_restart(win, qtbot):
     qtbot.waitUntil(lambda: len(reply.content) > 0, timeout=60_000)
     win.supervisor.kill()
     qtbot.waitUntil(lambda: win.state == "disconnected", timeout=30_000)
-    assert win.banner.isVisible() and "exited" in win.banner_text.text()
-    assert "[engine exited with code" in win.banner_log.toPlainText()
+    assert win.banner.isVisible() and "exited" in win.banner.text.text()
+    assert "[engine exited with code" in win.banner.log.toPlainText()
     assert reply.interrupted and reply.content  # text kept, marked
-    assert not win.chat.send_btn.isEnabled() and win.restart_btn.isEnabled()
+    assert not win.chat.send_btn.isEnabled() and win.banner.restart_btn.isEnabled()
     # nothing typed is lost: the user's turn and the partial reply are on disk
     saved = {c.id: c for c in win.chat.store.load_all()}[conv.id]
     assert saved.messages[-2].content == "Keep talking."
@@ -210,7 +210,7 @@ def test_engine_death_then_restart(win, qtbot):
     # still responsive: typing works while the engine is down
     win.chat.input.setPlainText("typed while down")
     qtbot.wait(50)
-    qtbot.mouseClick(win.restart_btn, _left())
+    qtbot.mouseClick(win.banner.restart_btn, _left())
     qtbot.waitUntil(lambda: win.state in ("ready", "busy"), timeout=180_000)
     assert not win.banner.isVisible()
     _greedy(win, 8)
