@@ -169,7 +169,7 @@ def _source(variant: AttentionVariant | WriteKVVariant):
             "seq_lens_ptr": "*i32",
             "query_start_loc_ptr": "*i32",
         }
-        floats: tuple[str, ...] = ("scale_log2",)
+        floats: tuple[str, ...] = ("scale_log2", "softcap")
     else:
         kernel = triton_kv_codec.write_kv_kernel
         constants = dict(  # a copy: the cached dict must not lose keys to the pop below

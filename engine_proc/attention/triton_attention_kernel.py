@@ -52,9 +52,18 @@ if triton is not None:
         else:
             return tl.dot(a, b, input_precision=DOT_PRECISION)
 
-    # The sequence count and block-table width change every step: specializing on them (== 1,
-    # divisible by 16) would JIT-compile new variants while serving.
-    @triton.jit(do_not_specialize=["num_seqs", "max_blocks_per_seq", "bt_stride_s"])
+    @triton.jit
+    def _soft_capped(s, softcap):
+        # s: scores in log2 units; softcap * tanh(score / softcap) on the natural-unit score
+        # (Gemma 2), with tanh(x) = 1 - 2 / (exp(2x) + 1) on exp2 (saturates to +-1, no NaN).
+        log2e: tl.constexpr = 1.4426950408889634
+        x = s / (log2e * softcap)
+        t = 1.0 - 2.0 / (tl.math.exp2(2.0 * log2e * x) + 1.0)
+        return softcap * t * log2e
+
+    # The sequence count and block-table width change every step, and a window per layer:
+    # specializing on them (== 1, divisible by 16) would JIT-compile new variants while serving.
+    @triton.jit(do_not_specialize=["num_seqs", "max_blocks_per_seq", "bt_stride_s", "window"])
     def paged_attention_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
         query_ptr,  # [num_tokens, num_heads, head_dim], last dim contiguous
@@ -66,6 +75,8 @@ if triton is not None:
         seq_lens_ptr,  # [num_seqs]
         query_start_loc_ptr,  # [num_seqs + 1]
         scale_log2,  # softmax scale * log2(e): the softmax runs on exp2, the cheaper unit
+        softcap,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2); 0: none
+        window,  # > 0: a query sees itself and the window - 1 keys before it; 0: every key
         num_seqs,
         max_blocks_per_seq,
         q_stride_t,
@@ -126,6 +137,10 @@ if triton is not None:
 
         # Keys past the last query token of this block are invisible to every row: stop there.
         kv_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
+        # A sliding window: keys before the first row's window are invisible to every row (and
+        # their blocks may be released, -1): start at the tile holding the first visible one.
+        span = tl.where(window > 0, window, kv_end + 1)
+        kv_start = tl.maximum(context_len + local_block * BLOCK_Q - span + 1, 0) // TILE * TILE
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
@@ -137,7 +152,7 @@ if triton is not None:
 
         keys = tl.arange(0, TILE)
         bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
-        for tile_start in range(0, kv_end, TILE):
+        for tile_start in range(kv_start, kv_end, TILE):
             k_pos = tile_start + keys
             in_range = k_pos < kv_end
             logical = k_pos // BLOCK_SIZE
@@ -172,7 +187,10 @@ if triton is not None:
                 s_off = phys * sc_stride_b + in_block * sc_stride_s + kv_head
                 k_scale = tl.load(k_scale_ptr + s_off, mask=key_valid, other=0.0)
                 s = s * k_scale.to(tl.float32)[None, :]
+            if softcap > 0.0:
+                s = _soft_capped(s, softcap)
             visible = row_valid[:, None] & key_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - span)
             s = tl.where(visible, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -151,12 +151,10 @@ class TritonAttentionBackend:
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if window is not None:  # the engine picks the torch backend for such models
-            raise ValueError("the Triton attention backend has no sliding windows yet; "
-                             "use attention_backend='torch'")
-        if softcap is not None:  # likewise
-            raise ValueError("the Triton attention backend has no attention logit soft-capping "
-                             "yet; use attention_backend='torch'")
+        if window is not None and (isinstance(window, bool) or window < 1):
+            raise ValueError(f"window must be a positive number of tokens, got {window!r}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be positive, got {softcap!r}")
         if query.dim() != 3:
             raise ValueError(
                 f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
@@ -204,7 +202,8 @@ class TritonAttentionBackend:
             query = query.contiguous()
         _kernels.paged_attention_kernel[grid](
             out, query, k.data, v.data, k.scale, v.scale, block_tables, meta.seq_lens,
-            meta.query_start_loc, float(scale) * math.log2(math.e), num_seqs,
+            meta.query_start_loc, float(scale) * math.log2(math.e), float(softcap or 0.0),
+            int(window or 0), num_seqs,
             block_tables.shape[1], query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             block_tables.stride(0), *k.data.stride()[:3], *v.data.stride()[:3],
             *scale_strides(k, v, self.kv_cache_dtype),

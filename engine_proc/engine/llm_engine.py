@@ -129,17 +129,6 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
         )
         self.num_blocks = num_blocks
         attention_backend = config.attention_backend
-        lacks = [what for present, what in (
-            (self.model_config.has_sliding_layers, "sliding-window layers"),
-            (self.model_config.attn_logit_softcap is not None, "attention logit soft-capping"),
-        ) if present]  # fmt: skip
-        if lacks and self.device.type == "cuda":
-            if attention_backend == "triton":
-                raise ValueError(f"attention_backend='triton' has no {' / '.join(lacks)} yet "
-                                 f"({self.model_config.architecture}); use 'torch' or 'auto'")
-            logger.warning("%s has %s, which the Triton kernels do not compute yet: using torch "
-                           "attention", self.model_config.architecture, " and ".join(lacks))
-            attention_backend = "torch"
         self.backend = select_backend(attention_backend, self.device, kv_dtype)
         self.runner = ModelRunner(
             self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,

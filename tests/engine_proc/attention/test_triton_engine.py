@@ -33,3 +33,40 @@ def test_triton_backend_generates_transformers_greedy_tokens():
     ours = [o.token_ids for o in engine.generate(prompts, params)]
     reference = greedy_reference(hf_reference_model(path))
     assert ours == [reference(p, 6) for p in prompts]
+
+
+# Sliding windows shorter than the prompt: Gemma 2 (soft-capped scores, every other layer
+# sliding), Gemma 3 (the hybrid cache: sliding groups release blocks), Mistral (every layer
+# slides: its one table releases blocks)
+WINDOWED = {
+    "gemma2": ("gemma2", dict(num_heads=4, num_kv_heads=2, sliding_window=8,
+                              tie_word_embeddings=True)),
+    "gemma3": ("gemma3", dict(num_heads=4, num_kv_heads=2, num_layers=4, sliding_window=8,
+                              layer_types=("sliding_attention", "sliding_attention",
+                                           "full_attention", "sliding_attention"))),
+    "mistral": ("mistral", dict(num_heads=4, num_kv_heads=2, sliding_window=5)),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_windows_and_caps_on_the_triton_backend_give_transformers_logits(name):
+    import torch
+
+    from tests.engine_proc.models.family_checks import (
+        GREEDY,
+        PROMPT,
+        engine_for,
+        reference_greedy,
+        reference_logits,
+    )
+    from tests.engine_proc.models.test_llama import all_position_logits
+
+    layout = WINDOWED[name]
+    engine = engine_for(layout, attention_backend="triton", device=triton_device())
+    assert engine.backend.name == "triton" and engine.kv_layout.has_sliding_groups
+    ours = all_position_logits(engine, PROMPT).cpu()
+    torch.testing.assert_close(ours, reference_logits(layout, PROMPT), atol=1e-4, rtol=1e-4)
+    (out,) = engine.generate([PROMPT], GREEDY)
+    assert out.token_ids == reference_greedy(layout, PROMPT)
+    assert engine.kv.pool.num_free == engine.num_blocks

@@ -110,13 +110,12 @@ def test_fused_cpu_step_names_what_it_cannot_express():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_soft_capping_runs_the_torch_attention():
-    """The Triton kernels have no cap: 'triton' is refused by name, 'auto' takes torch attention
-    and still gives transformers' logits."""
+def test_on_cuda_soft_capping_and_windows_run_on_the_triton_kernels():
+    """The Triton kernel computes soft-capped scores and sliding windows: 'auto' takes it on
+    CUDA and gives transformers' logits (the interpreter runs the same kernel on CPU in
+    tests/engine_proc/attention/test_triton_engine.py)."""
     layout = LAYOUTS["gqa-tied-window8"]
-    with pytest.raises(ValueError, match="attention logit soft-capping"):
-        engine_for(layout, device="cuda", attention_backend="triton")
     engine = engine_for(layout, device="cuda", attention_backend="auto")
-    assert engine.backend.name == "torch"
+    assert engine.backend.name == "triton"
     ours = all_position_logits(engine, PROMPT).cpu()
     torch.testing.assert_close(ours, reference_logits(layout, PROMPT), atol=1e-4, rtol=1e-4)
