@@ -128,8 +128,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
             kv_cache.nbytes / 2**20,
         )
         self.num_blocks = num_blocks
-        attention_backend = config.attention_backend
-        self.backend = select_backend(attention_backend, self.device, kv_dtype)
+        self.backend = select_backend(config.attention_backend, self.device, kv_dtype)
         self.runner = ModelRunner(
             self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,
             decode_step=config.decode_step, layout=layout,
@@ -140,6 +139,12 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
             # CUDA graph cannot record
             logger.warning("%s has routed experts, whose decode steps CUDA graphs cannot "
                            "record yet: decoding eagerly", mc.architecture)  # fmt: skip
+            graphs = False
+        if graphs and layout.is_hybrid:
+            # the graphs hold one slot mapping and block table, not a table per KV group
+            logger.warning("%s's hybrid KV cache has a block table per group of layers, which "
+                           "the decode CUDA graphs do not hold yet: decoding eagerly",
+                           mc.architecture)  # fmt: skip
             graphs = False
         if graphs:
             self._capture_decode_graphs(progress)
