@@ -13,7 +13,11 @@ replay from 0 and gets whatever the buffer still holds. The rules:
   publisher restarted (numbering starts again at 0): emit `Reset` (clear this source's blocks)
   and start over;
 - a payload that does not decode: counted as garbage and skipped (its number still counts, so
-  it does not look like a gap).
+  it does not look like a gap);
+- no live batch yet since connecting (`catch_up`, asked by the caller now and then): ZeroMQ's
+  SUB socket may have joined after the batches the first replay missed were published, and a
+  gap at the tail shows only with the next batch, which a quiet publisher may never send: ask
+  for what follows the last applied batch.
 Without a replay endpoint a gap is only counted: the tree may then hold blocks the lost
 batches removed, or miss blocks they stored.
 """
@@ -65,6 +69,7 @@ class Sequencer:
         self._epoch: bytes | None = None
         self._stash: dict[int, bytes] = {}
         self._asked: int | None = None  # start of the last replay asked for
+        self.live_seen = False  # a live batch arrived: the SUB socket has joined
 
     def start(self) -> None:
         if self.replay:
@@ -72,7 +77,19 @@ class Sequencer:
 
     # ------------------------------------------------------------------ what arrived
 
+    def catch_up(self) -> bool:
+        """Ask for the batches after the last applied one, unless a live batch has arrived (or
+        a replay is under way, or there is no replay endpoint); returns whether it asked. Not a
+        gap's request: a later gap at the same place is still asked for."""
+        if not self.replay or self.replaying or self.live_seen:
+            return False
+        self.want_replay = 0 if self._last is None else self._last + 1
+        self.replaying = True
+        self.stats.replays += 1
+        return True
+
     def on_live(self, seq: int, payload: bytes, epoch: bytes | None = None) -> None:
+        self.live_seen = True
         if epoch is not None:
             old, self._epoch = self._epoch, epoch
             if old is not None and epoch != old:

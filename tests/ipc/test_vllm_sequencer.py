@@ -126,3 +126,37 @@ def test_the_stash_is_bounded():
     assert seqs(s) == [0, 1, 2]
     s.on_live(10, payload(10))  # what overflowed is a gap: asked for again
     assert s.want_replay == 3 and s.replaying
+
+
+def test_a_late_joining_sub_socket_is_caught_up_by_replay_until_a_live_batch_arrives():
+    """The first replay gave 0..2; batches 3..5 were published before the SUB socket joined and
+    none follows: only a catch-up replay finds them. A later gap at the same place is still
+    asked for, and once a live batch has arrived catch-up asks nothing."""
+    s = Sequencer(replay=True)
+    s.start()
+    for n in range(3):
+        s.on_replay(n, payload(n))
+    s.on_replay_end()
+    assert seqs(s) == [0, 1, 2]
+    s.want_replay = None
+    assert s.catch_up() and s.want_replay == 3 and s.replaying
+    assert not s.catch_up()  # one at a time
+    for n in range(3, 6):
+        s.on_replay(n, payload(n))
+    s.on_replay_end()
+    assert seqs(s) == [3, 4, 5] and s.stats.lost == 0
+    s.want_replay = None
+    assert s.catch_up() and s.want_replay == 6
+    s.on_replay_end()  # nothing new
+    s.on_live(8, payload(8))  # the stream joined, two batches after the last applied
+    assert s.want_replay == 6 and s.replaying  # the gap is asked for, though 6 was caught up
+    for n in (6, 7):
+        s.on_replay(n, payload(n))
+    s.on_replay_end()
+    assert seqs(s) == [6, 7, 8] and s.stats.lost == 0
+    assert not s.catch_up()
+
+
+def test_without_a_replay_endpoint_catch_up_asks_nothing():
+    s = Sequencer(replay=False)
+    assert not s.catch_up() and s.want_replay is None

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 Item = tuple[str, Output]  # (source name, a chunk of a batch or a Reset)
 READ_BURST = 256  # messages read from one socket before looking at the others
+# Until the first live batch: ask the replay endpoint for what followed after these many
+# seconds, doubling up to the last (Sequencer.catch_up: a SUB socket that joined late)
+CATCH_UP_S = (1.0, 30.0)
 
 
 def split_batch(batch: Batch, max_blocks: int) -> list[Batch]:
@@ -94,8 +97,11 @@ class _Subscription:
         poller.register(self.sub, zmq.POLLIN)
         self.dealer: zmq.Socket | None = None
         self._progress = 0.0  # when the replay last asked for or last answered
+        self._catch_up_wait = CATCH_UP_S[0]
+        self._catch_up_at: float | None = None
         if source.replay:
             self._open_dealer()
+            self._catch_up_at = time.monotonic() + self._catch_up_wait
 
     def _open_dealer(self) -> None:
         assert self.source.replay is not None
@@ -144,7 +150,15 @@ class _Subscription:
                 self.seq.on_replay(f.seq, f.payload)
 
     def service(self, now: float) -> None:
-        """Send a replay request the sequencer wants; give up on a replay that went silent."""
+        """Send a replay request the sequencer wants; give up on a replay that went silent;
+        until the first live batch, now and then ask for what may have been missed."""
+        if self._catch_up_at is not None and now >= self._catch_up_at:
+            if self.seq.live_seen:
+                self._catch_up_at = None
+            else:
+                self.seq.catch_up()
+                self._catch_up_wait = min(2 * self._catch_up_wait, CATCH_UP_S[1])
+                self._catch_up_at = now + self._catch_up_wait
         start = self.seq.want_replay
         if start is not None and self.dealer is not None:
             self.seq.want_replay = None
