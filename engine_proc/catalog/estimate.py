@@ -72,7 +72,7 @@ def estimate(
     c = config
     tokens = min(context or c.max_position_embeddings, c.max_position_embeddings)
     itemsize = DTYPE_BYTES[dtype]
-    layout = engine_layout(c.layer_types, c.num_layers, c.sliding_window, hybrid_kv)
+    layout = engine_layout(c.layer_types, c.num_layers, c.sliding_window, hybrid_kv, tokens)
     page = block_bytes(kv_cache_dtype, layout, c.num_kv_heads, c.head_dim, itemsize, block_size)
     blocks = request_blocks(layout, tokens, block_size)
     note = ""

@@ -68,11 +68,14 @@ def request_blocks(layout: KVLayout, num_tokens: int, block_size: int) -> int:
 
 
 def engine_layout(
-    layer_types: tuple[str, ...], num_layers: int, window: int | None, hybrid_kv: bool
-) -> KVLayout:
+    layer_types: tuple[str, ...], num_layers: int, window: int | None, hybrid_kv: bool,
+    max_model_len: int | None = None,
+) -> KVLayout:  # fmt: skip
     """The layout the engine runs: with hybrid_kv on, groups that release what left a sliding
     window when the model has sliding layers; else one group of every layer keeping every
-    block."""
+    block. A window as long as the context (`max_model_len`) releases nothing: one full group."""
+    if window is not None and max_model_len is not None and window >= max_model_len:
+        window = None
     layout = plan_layout(layer_types, num_layers, window)
     if not hybrid_kv or not layout.has_sliding_groups:
         return plan_layout((), num_layers, None)

@@ -22,9 +22,8 @@ logger = logging.getLogger("engine_proc.engine.llm_engine")  # the engine's log,
 def choose_kv_layout(mc: ModelConfig, config: EngineConfig, kv_dtype: str,
                      max_model_len: int) -> KVLayout:  # fmt: skip
     window = mc.sliding_window
-    if window is not None and window >= max_model_len:
-        window = None  # every query sees its whole context: nothing ever leaves the window
-    layout = engine_layout(mc.layer_types, mc.num_layers, window, config.hybrid_kv is not False)
+    layout = engine_layout(mc.layer_types, mc.num_layers, window, config.hybrid_kv is not False,
+                           max_model_len)  # fmt: skip
     if not layout.has_sliding_groups:
         return layout
     tiers = bool(config.kv_host_memory) or config.kv_disk_dir is not None
@@ -33,7 +32,7 @@ def choose_kv_layout(mc: ModelConfig, config: EngineConfig, kv_dtype: str,
         logger.info("%s keeps every block of its sliding-window layers: %s need them "
                     "(hybrid_kv=True refuses the combination instead)", mc.architecture,
                     "KV tiers" if tiers else "fp8 KV scales")  # fmt: skip
-        return engine_layout(mc.layer_types, mc.num_layers, window, False)
+        return engine_layout(mc.layer_types, mc.num_layers, window, False, max_model_len)
     if fp8:
         raise ValueError("kv_cache_dtype='fp8' (per-layer scales) with a hybrid KV cache "
                          f"({mc.architecture}) is not supported; leave hybrid_kv unset or False "

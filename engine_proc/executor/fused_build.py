@@ -26,6 +26,7 @@ import torch
 
 from engine_proc.executor import build_lock
 from engine_proc.loading.loader import tokenizer_cache_dir
+from engine_proc.models.layers import cpu_flags
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,14 +52,6 @@ def build_unavailable_reason() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def read_sources() -> dict[str, str]:
     """The extension's source files (engine_proc/native), by name."""
     return {f.name: f.read_text(encoding="utf-8") for f in sorted(NATIVE.glob("*.[ch]*"))}
@@ -67,7 +60,7 @@ def read_sources() -> dict[str, str]:
 def build_key(sources: dict[str, str] | None = None) -> str:
     """What the compiled module depends on: source, torch, flags, and the CPU (-march=native)."""
     texts = list((sources or read_sources()).values())
-    parts = [*texts, torch.__version__, " ".join(_CFLAGS), _cpu_flags()]
+    parts = [*texts, torch.__version__, " ".join(_CFLAGS), " ".join(sorted(cpu_flags()))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -123,8 +123,13 @@ def test_what_a_hybrid_cache_cannot_do_yet_keeps_every_block_or_is_refused_by_na
 
 
 def test_a_window_covering_the_whole_context_keeps_one_full_group(gemma_dir):
+    from engine_proc.catalog.estimate import estimate
+
     engine = _engine(gemma_dir, hybrid=None, max_model_len=WINDOW)
     assert engine.kv_layout.windows == (None,)
+    # the Models dialog's estimate at that context takes the same layout
+    assert not estimate(engine.model_config, 1, context=WINDOW).hybrid
+    assert estimate(engine.model_config, 1, context=4 * WINDOW).hybrid
 
 
 def test_a_hit_needs_each_sliding_groups_last_window(gemma_dir):
