@@ -26,7 +26,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.supervisor import DECODE_WEIGHTS, DTYPES, KV_CACHE_DTYPES, KV_DISK_SUBDIR
+from app.supervisor import (
+    DECODE_ACTIVATIONS,
+    DECODE_WEIGHTS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    KV_DISK_SUBDIR,
+)
 from ipc.vllm_events.config import kv_events_json_arg
 
 SUBCOMMANDS = {"chat": "app.chat", "bench": "app.bench.suite", "serve": "app.serve",
@@ -97,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="int4: 4-bit weight copies for decode on CPU, ~2x faster replies; dense: the "
         "model's own precision; auto (the default): int4 on a CPU, dense on a GPU (remembered)",
     )
+    g.add_argument("--decode-activations", default=None, choices=DECODE_ACTIVATIONS,
+                   help="exact (the default): replies are the 4-bit model's own; int8: 8-bit "
+                   "activations, llama.cpp's arithmetic, faster on AVX2 CPUs (remembered)")
     g.add_argument("--kv-events-config", type=kv_events_json_arg, default=None, metavar="JSON",
                    help="the engine also publishes KV cache events in vLLM's format: vLLM's "
                    "--kv-events-config JSON (docs/PROTOCOL.md)")  # fmt: skip
@@ -323,6 +332,7 @@ def _engine_options(args: argparse.Namespace, settings, ddir: Path | None = None
         num_kv_blocks=pick("num_kv_blocks", int),
         max_model_len=pick("max_model_len", int),
         decode_weights=pick("decode_weights", str, DECODE_WEIGHTS) or "auto",
+        decode_activations=pick("decode_activations", str, DECODE_ACTIVATIONS),
         # `--engine-args "--num-threads N"` comes later on the command line and wins.
         num_threads=gui_engine_threads(),
         **_kv_options(settings, ddir),

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # What `engine_proc serve` accepts (app/ must not import engine_proc to ask it).
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_WEIGHTS = ("auto", "dense", "int4")
+DECODE_ACTIVATIONS = ("exact", "int8")  # the engine's decode_activations
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")
 KV_DISK_SUBDIR = "kv-cache"  # the disk KV tier's directory, inside the app's data directory
 
@@ -47,6 +48,7 @@ class EngineOptions:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     decode_weights: str | None = None
+    decode_activations: str | None = None  # "exact" | "int8" (engine_proc.config)
     num_threads: int | None = None  # torch threads of a CPU engine; None = torch's default
     # KV element type ("auto" | "int8" | "fp8") and the lower KV tiers (bytes; a directory).
     kv_cache_dtype: str | None = None
@@ -70,6 +72,7 @@ class EngineOptions:
                             ("--device", self.device), ("--num-kv-blocks", self.num_kv_blocks),
                             ("--max-model-len", self.max_model_len),
                             ("--decode-weights", self.decode_weights),
+                            ("--decode-activations", self.decode_activations),
                             ("--num-threads", self.num_threads),
                             ("--kv-cache-dtype", self.kv_cache_dtype),
                             ("--kv-host-memory", self.kv_host_memory),

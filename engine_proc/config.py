@@ -10,6 +10,7 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_BACKENDS = ("auto", "torch", "triton")
 SUPPORTED_DECODE_WEIGHTS = ("dense", "int4", "auto")
 SUPPORTED_DECODE_STEPS = ("eager", "fused", "auto")
+SUPPORTED_DECODE_ACTIVATIONS = ("exact", "int8")
 SUPPORTED_KV_TIER_POLICIES = ("write_back", "write_through")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")
 DEFAULT_PREFILL_CHUNK = 512  # long_prefill_chunk=None while other requests run or wait
@@ -135,6 +136,13 @@ class EngineConfig:
     # cached build exists, built in the background meanwhile; "eager": torch operators from Python.
     # Falls back to eager (logged).
     decode_step: str = "eager"
+    # The fused step's arithmetic. "exact": steps of up to fused_decode.PRECISE_ROWS rows (one
+    # chat, a few) multiply float32 activations by the 4-bit weights, so replies are the model's
+    # with those weights; wider steps take 8-bit activations in some products. "int8": every
+    # step quantizes activations to 8 bits per group of 32 in all four products and the 8-bit
+    # output projection, llama.cpp's Q4 x Q8 arithmetic (faster where a CPU lacks bfloat16 dot
+    # products; replies drift from the exact ones after some tokens, as llama.cpp's do).
+    decode_activations: str = "exact"
     seed: int = 0  # seeds requests that bring no seed of their own
     # Lower KV tiers (engine_proc/kv_store/tiers.py), off by default: bytes of host memory for
     # evicted prefix blocks (pinned on CUDA), and a directory whose block files outlive the process.
@@ -167,6 +175,11 @@ class EngineConfig:
         if self.decode_step not in SUPPORTED_DECODE_STEPS:
             raise ValueError(
                 f"decode_step must be one of {SUPPORTED_DECODE_STEPS}, got {self.decode_step!r}"
+            )
+        if self.decode_activations not in SUPPORTED_DECODE_ACTIVATIONS:
+            raise ValueError(
+                f"decode_activations must be one of {SUPPORTED_DECODE_ACTIVATIONS}, "
+                f"got {self.decode_activations!r}"
             )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
@@ -242,6 +255,13 @@ def add_kernel_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         help="with int4 decode weights on CPU: fused runs each decode step in one C++ call "
         "(compiled once, cached); auto: fused once built (built in the background)",
     )
+    parser.add_argument(
+        "--decode-activations",
+        default="exact",
+        choices=SUPPORTED_DECODE_ACTIVATIONS,
+        help="the fused step's arithmetic: exact (float32 activations for one chat or a few) or "
+        "int8 (8-bit activations in every step, llama.cpp's arithmetic: faster on AVX2 CPUs)",
+    )
 
 
 def kernel_options(args: argparse.Namespace) -> dict[str, object]:
@@ -250,6 +270,7 @@ def kernel_options(args: argparse.Namespace) -> dict[str, object]:
         "cuda_graphs": not args.no_cuda_graphs,
         "decode_weights": args.decode_weights,
         "decode_step": args.decode_step,
+        "decode_activations": args.decode_activations,
     }
 
 

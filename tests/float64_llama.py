@@ -61,6 +61,7 @@ def llama_forward(
     bf16_product_outputs: bool = True,
     q8_mlp_rows: Sequence[bool] | None = None,
     q8_attention_rows: Sequence[bool] | None = None,
+    q8_head_rows: Sequence[bool] | None = None,
     kv_transform: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     | None = None,
 ) -> Float64Forward:
@@ -73,7 +74,8 @@ def llama_forward(
     the bfloat16-rounded output projection. q8_mlp_rows[t]: token t's MLP products take inputs
     quantized per group of 32 to 8 bits (step max|x| / 127, nearest, ties to even), as the
     kernels of wide fused steps (engine_proc/native/int4_q8_kernels.h); q8_attention_rows[t]:
-    the attention's two products (q, k, v and o) too.
+    the attention's two products (q, k, v and o) too; q8_head_rows[t]: the output projection's
+    input too (decode_activations="int8").
     kv_transform(layer, k, v) -> (k, v): what a quantised KV cache stores of each layer's K
     (after rotary) and V, [T, num_kv_heads, head_dim], e.g. a quantise-dequantise round trip.
     Everything else is exact (to float64)."""
@@ -127,5 +129,6 @@ def llama_forward(
     h = rms_norm(h, "model.norm.weight")
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     in_bf16 = _mask(bf16_head_rows, n)
-    logits = torch.where(in_bf16, bf16_round(bf16_round(h) @ bf16_round(head).t()), h @ head.t())
+    exact = torch.where(_mask(q8_head_rows, n), q8_round(h), h) @ head.t()
+    logits = torch.where(in_bf16, bf16_round(bf16_round(h) @ bf16_round(head).t()), exact)
     return Float64Forward(h, logits, head)

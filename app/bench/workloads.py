@@ -37,7 +37,8 @@ WORKLOAD_SYSTEMS = {
     "interference": ("kvscope", "kvscope-nochunk"),
     # The engine process behind its two front-ends, driven by app.bench.clients.
     "streaming": ("kvscope-zmq", "kvscope-http"),
-    **{w: ("kvscope", "hf", "llamacpp") for w in STREAMS_WORKLOADS},
+    # kvscope-int8: the same engine on 8-bit activations (EngineConfig.decode_activations)
+    **{w: ("kvscope", "kvscope-int8", "hf", "llamacpp") for w in STREAMS_WORKLOADS},
     # KVScope configurations only (app/bench/kv_workloads.py).
     **KV_WORKLOAD_SYSTEMS,
     # Speculative decoding against none, and llama.cpp's own prompt lookup

@@ -2,6 +2,7 @@
 
 Systems (each a KVScope configuration):
 - kvscope: the engine as configured by the workload; kvscope-int4: 4-bit decode weights;
+  kvscope-int8: the workload's engine with decode_activations="int8";
   kvscope-nocache: prefix caching off; kvscope-nochunk: long_prefill_chunk 0 and a token budget
   that holds the longest prompt.
 - kvscope-recompute: no lower KV tiers (what an evicted prefix costs without them);
@@ -49,8 +50,8 @@ from engine_proc.bench.serve import Occupancy, drop_page_cache, serve
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("kvscope", "kvscope-int4", "kvscope-nocache", "kvscope-nochunk", "kvscope-recompute",
-           "kvscope-host", "kvscope-disk", "kvscope-kvint8", "kvscope-spec")
+SYSTEMS = ("kvscope", "kvscope-int4", "kvscope-int8", "kvscope-nocache", "kvscope-nochunk",
+           "kvscope-recompute", "kvscope-host", "kvscope-disk", "kvscope-kvint8", "kvscope-spec")
 TIER_SYSTEMS = ("kvscope-host", "kvscope-disk")
 # Room per block beyond its K/V bytes in a tier (a disk entry's header, an entry's scales).
 TIER_ENTRY_OVERHEAD = 4096
@@ -132,6 +133,8 @@ def engine_config_for(system: str, workload: dict, args: argparse.Namespace,
         kw["num_kv_blocks"] = args.kv_blocks or need + 64
     if system == "kvscope-int4":
         kw["decode_weights"] = "int4"
+    elif system == "kvscope-int8":  # the fused step on 8-bit activations, llama.cpp's arithmetic
+        kw["decode_activations"] = "int8"
     elif system == "kvscope-nocache":
         kw["enable_prefix_caching"] = False
     elif system == "kvscope-nochunk":

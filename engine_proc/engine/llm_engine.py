@@ -132,6 +132,7 @@ class LLMEngine(Tokenization, StepOutputs, LiveControl, Speculation, BatchGenera
         self.runner = ModelRunner(
             self.model, kv_cache, self.backend, kv_scales, self.dtype, kv_layer_scales,
             decode_step=config.decode_step, layout=layout,
+            decode_activations=config.decode_activations,
         )  # fmt: skip
         graphs = config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe
         if graphs and mc.has_experts:

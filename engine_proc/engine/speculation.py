@@ -60,6 +60,7 @@ class Speculation(EngineParts):
             long_prefill_chunk=config.long_prefill_chunk, enable_prefix_caching=True,
             attention_backend=config.attention_backend, cuda_graphs=config.cuda_graphs,
             decode_weights="auto", decode_step=config.decode_step,
+            decode_activations=config.decode_activations,
         )  # fmt: skip
         try:
             draft = type(self)(draft_config)

@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 
 from engine_proc.attention.base import AttentionMetadata
-from engine_proc.config import SUPPORTED_DECODE_STEPS
+from engine_proc.config import SUPPORTED_DECODE_ACTIVATIONS, SUPPORTED_DECODE_STEPS
 from engine_proc.executor import fused_build, fused_head
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.int4 import Int4Weight
@@ -228,6 +228,9 @@ class FusedDecodeStep:
     # against the exact 8-bit output projection (fused_head.use_head_kernel); else compute_logits'.
     wide_head: Callable[[torch.Tensor], torch.Tensor] | None = None
     wide_head_kind: str = "none"  # "q8" (8-bit activations), "bf16" or "none"
+    # decode_activations="int8": every step's four products (and the 8-bit head) on 8-bit
+    # activations, precise_rows 0
+    int8_activations: bool = False
 
     @classmethod
     def create(
@@ -237,12 +240,15 @@ class FusedDecodeStep:
         int4_kernel: str | None = None,
         attention_chunks: int = 0,
         q8_activations: bool = True,
+        activations: str = "exact",
     ) -> FusedDecodeStep:
         """int4_kernel: one of INT4_KERNELS; None picks avx512_bf16 where it can run.
         attention_chunks: key chunks per sequence attended in parallel and merged; 0 picks by
         context length and thread count (tests force the merge with more).
         q8_activations: wide steps quantize the activations of the Q8_PRODUCTS to 8 bits
-        (int4_q8_kernels.h), as llama.cpp does; False keeps the 4-bit kernel's products."""
+        (int4_q8_kernels.h), as llama.cpp does; False keeps the 4-bit kernel's products.
+        activations: "int8" puts every step's four products on 8-bit activations where a
+        vector 8-bit kernel is compiled in (EngineConfig.decode_activations); "exact" as above."""
         c = model.config
         kernel = int4_kernel or pick_int4_kernel(model, module)
         if kernel not in INT4_KERNELS:
@@ -254,6 +260,12 @@ class FusedDecodeStep:
             raise ValueError(f"int4_kernel avx512_bf16 reads 64-column blocks, torch packs {block}")
         q8_kernel = Q8_KERNELS[module.best_q8_kernel()]
         q8_products = Q8_PRODUCTS.get((kernel, q8_kernel), ()) if q8_activations else ()
+        int8 = activations == "int8" and q8_kernel != "portable" and block is not None
+        if activations == "int8" and not int8:
+            logger.warning("decode_activations='int8' needs an AVX2 CPU and torch's packed "
+                           "4-bit layout; the fused step keeps float32 activations")
+        if int8:
+            q8_products = _ALL
         strips = functools.partial(_strips, module, block)
         tensors = [
             t for layer in model.layers for t in layer_tensors(layer, kernel, strips, q8_products)
@@ -274,7 +286,8 @@ class FusedDecodeStep:
         )  # fmt: skip
         prompt_tokens = FUSED_PROMPT_TOKENS if kernel in ("avx512_bf16", "avx2_fp32") else 0
         return cls(model, module, decoder, kernel, q8_products=q8_products, q8_kernel=q8_kernel,
-                   max_prompt_tokens=prompt_tokens)  # fmt: skip
+                   max_prompt_tokens=prompt_tokens, precise_rows=0 if int8 else PRECISE_ROWS,
+                   int8_activations=int8)  # fmt: skip
 
     @staticmethod
     def can_run(meta: AttentionMetadata) -> bool:
@@ -336,11 +349,16 @@ class FusedDecode:
     cannot serve, leaves the eager path with a reason (logged, and in ``detail``)."""
 
     def __init__(
-        self, model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool, mode: str
-    ) -> None:
+        self, model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool, mode: str,
+        activations: str = "exact",
+    ) -> None:  # fmt: skip
         if mode not in SUPPORTED_DECODE_STEPS:
             raise ValueError(f"decode_step must be one of {SUPPORTED_DECODE_STEPS}, got {mode!r}")
+        if activations not in SUPPORTED_DECODE_ACTIVATIONS:
+            raise ValueError(f"decode_activations must be one of {SUPPORTED_DECODE_ACTIVATIONS}, "
+                             f"got {activations!r}")  # fmt: skip
         self.model = model
+        self.activations = activations
         self.step: FusedDecodeStep | None = None
         self.state = "eager"  # "fused" | "building" | "eager"
         # fused: the 4-bit kernel (INT4_KERNELS); building: "here" or "elsewhere" (another
@@ -374,9 +392,11 @@ class FusedDecode:
         if isinstance(module, str):  # why it could not be built
             self.state, self.detail = "eager", module
             return
-        self.step = FusedDecodeStep.create(self.model, module)
+        self.step = FusedDecodeStep.create(self.model, module, activations=self.activations)
         fused_head.use_head_kernel(self.model, module, self.step)
-        self.state, self.detail = "fused", self.step.int4_kernel
+        # the window's status line reads "+int8" as the 8-bit arithmetic (ui/window/decode_status)
+        suffix = "+int8" if self.step.int8_activations else ""
+        self.state, self.detail = "fused", self.step.int4_kernel + suffix
 
 
 def _guarded_load() -> ModuleType | str:

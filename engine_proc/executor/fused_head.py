@@ -71,7 +71,7 @@ def _wide_head(
     ("none", None)."""
     pairs = len(codes) % 2 == 0  # both kernels take the 16-output blocks in pairs
     all_q8 = set(step.q8_products) == set(ALL_PRODUCTS)
-    if all_q8 and step.q8_kernel == "avx512_vnni" and module.q8_head_vnni_available() and pairs:
+    if all_q8 and step.q8_kernel != "portable" and module.q8_head_vector_available() and pairs:
         offset_codes = module.q8_vnni_pack(codes)
         return "q8", lambda hidden: module.q8_q8_logits(hidden, offset_codes, scales, True)
     if model.native_bf16 and module.q8_bf16_available() and pairs:

@@ -31,6 +31,7 @@ class ModelRunner:
         kv_layer_scales: torch.Tensor | None = None,  # fp8 KV: [num_layers, 2], fixed at start
         decode_step: str = "eager",  # "fused" / "auto": engine_proc/executor/fused_decode.py
         layout: KVLayout | None = None,  # hybrid KV groups; None: one group of every layer
+        decode_activations: str = "exact",  # the fused step's arithmetic (EngineConfig's)
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -51,7 +52,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None  # set by enable_decode_graphs
         self.num_graph_steps = 0
         quantized = kv_scales is not None or kv_layer_scales is not None
-        self.fused = FusedDecode(model, kv_cache, quantized, decode_step)
+        self.fused = FusedDecode(model, kv_cache, quantized, decode_step, decode_activations)
         self.num_fused_steps = 0  # fused passes (a split step makes one)
         self.num_split_steps = 0  # mixed steps run as a fused pass and an eager one
         self.num_fused_prompt_steps = 0  # prompt chunks run as fused rows
@@ -203,7 +204,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[Sequence]]:
         """Prompt chunks through the fused step, a row per token: each row writes its token's
         K/V and attends to its sequence up to itself (every row's write comes before any row's
-        attention in a layer), so the rows compute the causal prefill."""
+        attention in a layer), so the rows compute the causal prefill. Under 8-bit activations
+        every fused row takes them, so a speculative row's logits are its decode step's."""
         meta = step.meta
         groups = [meta, *meta.groups]  # the hybrid cache's groups: each its own tables
         query_lens = torch.tensor(meta.query_lens_cpu)
@@ -211,12 +213,13 @@ class ModelRunner:
         seq_lens = (step.positions + 1).to(torch.int32)
         hidden = fused.forward_rows(
             step.input_ids, step.positions, self.kv_cache, [g.slot_mapping for g in groups],
-            tables, seq_lens, precise=True,
+            tables, seq_lens, precise=not fused.int8_activations,
         )  # fmt: skip
         self.num_fused_prompt_steps += 1
         if not step.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
-        return self.model.compute_logits(hidden[step.logits_indices]), step.sampling_seqs
+        logits = fused.compute_logits if fused.int8_activations else self.model.compute_logits
+        return logits(hidden[step.logits_indices]), step.sampling_seqs
 
     def _run(
         self, step: StepInput, fused: FusedDecodeStep | None

@@ -337,5 +337,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_bf16_logits", &q8_bf16_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_vnni_pack", &q8_vnni_pack, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_head_vnni_available", &q8_head_vnni_available);
+  m.def("q8_head_vector_available", &q8_head_vector_available);
   m.def("q8_q8_logits", &q8_q8_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,5 +1,5 @@
-// The 8-bit output projection with 8-bit activations (wide decode steps on AVX512-VNNI CPUs):
-// llama.cpp's Q8_0 x Q8_0. The hidden state is quantized per group of 32 as the products'
+// The 8-bit output projection with 8-bit activations (wide decode steps on AVX512-VNNI CPUs,
+// every step under decode_activations="int8"): llama.cpp's Q8_0 x Q8_0. The hidden state is quantized per group of 32 as the products'
 // activations are (int4_q8_kernels.h: q = round(x / dx), dx = max|x| / 127), and multiplied
 // with the head's exact 8-bit codes in integer dot products: vpdpbusd adds 64 products an
 // instruction where dpbf16ps (head_kernels.h, bfloat16 activations) adds 32.
@@ -119,14 +119,69 @@ void q8_head_rows_vnni(const uint8_t* const* u, const float* const* d, const Q8H
 }
 #endif
 
+#if KVSCOPE_HAVE_AVX2
+// q8_head_rows_vnni on AVX2 (the 8-bit decode arithmetic's logits on CPUs without VNNI):
+// vpmaddubsw multiplies unsigned by signed bytes into 16-bit pair sums, which u = c + 128
+// would overflow (2 * 255 * 127), so the codes come back as c = u ^ 128 and the sign moves to
+// them (llama.cpp's Q8_0 x Q8_0 on AVX2): |q| times sign(c, q), pairs at most 2 * 128 * 127,
+// then vpmaddwd sums each lane's four. The same exact integer sums per group (no offset to
+// take off), folded the same way: bitwise the scalar twin's results.
+template <int R, int B>
+void q8_head_rows_avx2(const uint8_t* const* u, const float* const* d, const Q8Head& h,
+                       int64_t row0, int64_t k, float* out, int64_t ld) {
+  const int64_t groups = k / kGroupSize;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2 * B];
+  fill_registers(acc, _mm256_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i sums[R][2 * B];
+    fill_registers(sums, _mm256_setzero_si256());
+    KVSCOPE_UNROLL
+    for (int q = 0; q < 8; ++q) {
+      __m256i w[2 * B];
+      KVSCOPE_UNROLL
+      for (int i = 0; i < 2 * B; ++i)
+        w[i] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u[i / 2] + (8 * g + q) * 64 + 32 * (i % 2))),
+            flip);
+      KVSCOPE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, h.a.codes.data() + (row0 + r) * k + g * kGroupSize + 4 * q, 4);
+        const __m256i x = _mm256_set1_epi32(quad), ax = _mm256_abs_epi8(x);
+        KVSCOPE_UNROLL
+        for (int i = 0; i < 2 * B; ++i)
+          sums[r][i] = _mm256_add_epi32(
+              sums[r][i], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], x)), ones));
+      }
+    }
+    KVSCOPE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(h.a.step[(row0 + r) * groups + g]);
+      KVSCOPE_UNROLL
+      for (int i = 0; i < 2 * B; ++i) {
+        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d[i / 2] + g * 16 + 8 * (i % 2)), dx);
+        acc[r][i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r][i]), acc[r][i]);
+      }
+    }
+  }
+  KVSCOPE_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVSCOPE_UNROLL
+    for (int i = 0; i < 2 * B; ++i) _mm256_storeu_ps(out + (row0 + r) * ld + 8 * i, acc[r][i]);
+}
+#endif
+
 inline bool q8_head_vnni_available() { return KVSCOPE_HAVE_AVX512_VNNI != 0; }
+// a vector kernel for q8_q8_logits: VNNI, else AVX2
+inline bool q8_head_vector_available() { return KVSCOPE_HAVE_AVX512_VNNI != 0 || KVSCOPE_HAVE_AVX2 != 0; }
 
 // Logits [rows, N] float32 = 8-bit(hidden) [rows, K] x the exact 8-bit weight (u: q8_vnni_pack,
-// scales: q8_pack's), integer sums per group. vectorized: the VNNI kernel (where compiled in),
-// else the scalar twin (tests).
+// scales: q8_pack's), integer sums per group. vectorized: the VNNI kernel where compiled in,
+// else the AVX2 one; not: the scalar twin (tests).
 inline at::Tensor q8_q8_logits(const at::Tensor& hidden, const at::Tensor& u,
                                const at::Tensor& scales, bool vectorized) {
-  TORCH_CHECK(!vectorized || q8_head_vnni_available(), "q8_q8_logits: no VNNI kernel compiled in");
+  TORCH_CHECK(!vectorized || q8_head_vector_available(), "q8_q8_logits: no vector kernel compiled in");
   TORCH_CHECK(hidden.dim() == 2, "hidden [rows, K]");
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
   const int64_t rows = x.size(0), k = x.size(1), blocks = u.size(0), groups = k / kGroupSize;
@@ -165,6 +220,19 @@ inline at::Tensor q8_q8_logits(const at::Tensor& hidden, const at::Tensor& u,
       for (; r + 6 <= rows; r += 6) q8_head_rows_vnni<6, 2>(w, d, h, r, k, o, ld);
       for (; r + 3 <= rows; r += 3) q8_head_rows_vnni<3, 2>(w, d, h, r, k, o, ld);
       for (; r < rows; ++r) q8_head_rows_vnni<1, 2>(w, d, h, r, k, o, ld);
+    }
+  });
+#elif KVSCOPE_HAVE_AVX2
+  TORCH_CHECK(blocks % 2 == 0, "q8_q8_logits: N % 32 == 0");
+  at::parallel_for(0, blocks / 2, 8, [&](int64_t p0, int64_t p1) {  // pairs of blocks
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = 2 * p;
+      const uint8_t* w[2] = {up + b * k * 16, up + (b + 1) * k * 16};
+      const float* d[2] = {sp + b * groups * 16, sp + (b + 1) * groups * 16};
+      float* o = op + b * 16;
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2) q8_head_rows_avx2<2, 2>(w, d, h, r, k, o, ld);
+      for (; r < rows; ++r) q8_head_rows_avx2<1, 2>(w, d, h, r, k, o, ld);
     }
   });
 #endif

@@ -17,8 +17,10 @@ COMPILING = "decode: eager while the fused step compiles (first start, ~1 min)"
 def decode_status_text(step: str, detail: str) -> str:
     """'decode: fused (AVX2 int4)', the compiling line, 'decode: eager: <reason>'; '' when
     the engine reports no CPU decode step (GPU engines, older engines)."""
-    if step == "fused":
-        return f"decode: fused ({KERNEL_LABELS.get(detail, detail)})"
+    if step == "fused":  # detail: the kernel, "+int8" under 8-bit activations (fused_decode.py)
+        kernel, _, int8 = detail.partition("+")
+        label = KERNEL_LABELS.get(kernel, kernel) + (" x 8-bit activations" if int8 else "")
+        return f"decode: fused ({label})"
     if step == "building":
         if detail == "elsewhere":  # another start (another window, a server) is building it
             return COMPILING.replace("compiles", "compiles in another process")

@@ -1,7 +1,8 @@
 """The 8-bit output projection with 8-bit activations (engine_proc/native/head_q8_kernels.h):
 the offset codes byte by byte from their definition, the logits against a float64 recount of
 the same arithmetic (activations quantized per group of 32 by numpy) and within half a step of
-the dense product, the VNNI kernel bit for bit its scalar twin, each row independent."""
+the dense product, the vector kernels (VNNI, AVX2) bit for bit their scalar twin, each row
+independent."""
 
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ def test_logits_are_the_recounted_8bit_activation_products(extension, rows):
     bound = half_steps @ weight.double().abs().t() + rounding
     assert_within(got, x.double() @ weight.double().t(), bound)
 
-    if extension.q8_head_vnni_available():
+    # the vector kernel (VNNI where compiled in, else AVX2's sign trick)
+    if extension.q8_head_vector_available():
         assert torch.equal(extension.q8_q8_logits(x, offset, scales, True), got)
         alone = [extension.q8_q8_logits(x[i : i + 1], offset, scales, True) for i in range(rows)]
         assert torch.equal(torch.cat(alone), got)
     else:
-        with pytest.raises(RuntimeError, match="no VNNI kernel compiled in"):
+        with pytest.raises(RuntimeError, match="no vector kernel compiled in"):
             extension.q8_q8_logits(x, offset, scales, True)
 
 

@@ -270,7 +270,9 @@ def test_int4_greedy_decoding_follows_a_float64_reference_of_its_arithmetic(nati
 # fused step's own kernels in wide steps); "exact" the dense float32 product (theirs in narrow
 # steps: activations as bfloat16 pairs); "q8_mlp" the MLP's on 8-bit activations, the others
 # exact (AVX2's wide steps); "q8" all four on 8-bit activations (AVX512-BF16's wide steps).
-DECODE_PRODUCTS = ("bf16", "bf16_in", "exact", "q8_mlp", "q8")
+# q8_all: all four products and the output projection on 8-bit activations
+# (decode_activations="int8")
+DECODE_PRODUCTS = ("bf16", "bf16_in", "exact", "q8_mlp", "q8", "q8_all")
 
 
 def check_greedy_decoding_against_reference(
@@ -293,17 +295,15 @@ def check_greedy_decoding_against_reference(
         bf16_head_rows = BF16_HEAD_ROWS[native_bf16]
     step_rows: list[int] = []
     step_logits: list[torch.Tensor] = []
-    execute, compute_logits = int4.runner.execute, int4.model.compute_logits
+    execute = int4.runner.execute
 
-    def recording_execute(batch):
+    def recording_execute(batch):  # (a fused step's wide head included)
         step_rows.append(sum(batch.num_new_tokens))
-        return execute(batch)
+        logits, seqs = execute(batch)
+        step_logits.append(logits)
+        return logits, seqs
 
-    def recording_compute_logits(hidden):
-        step_logits.append(compute_logits(hidden))
-        return step_logits[-1]
-
-    int4.runner.execute, int4.model.compute_logits = recording_execute, recording_compute_logits
+    int4.runner.execute = recording_execute
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     batches = [
         # prefilled together (46 rows: dense products), then decoded 3 rows a step (4-bit)
@@ -317,9 +317,12 @@ def check_greedy_decoding_against_reference(
         outs = [o.token_ids for o in int4.generate(prompts, params)]
         assert step_rows == [sum(map(len, prompts))] + [len(prompts)] * (params.max_tokens - 1)
         assert [len(s) for s in step_logits] == [len(prompts)] * params.max_tokens
-        prefill_int4 = False  # prompts always run the dense weights
+        prefill_int4 = False  # prompts always run the dense weights...
+        # ...or, under decode_activations="int8", rows of the fused step on 8-bit activations
+        # (prompts of up to its max_prompt_tokens, as all of these are)
+        prompt_q8 = decode_products == "q8_all"
         decode_bf16 = decode_products in ("bf16", "bf16_in")
-        decode_q8 = decode_products in ("q8_mlp", "q8")  # float32 products on 8-bit inputs
+        decode_q8 = decode_products in ("q8_mlp", "q8", "q8_all")  # float32 sums of 8-bit inputs
         head_bf16 = len(prompts) <= bf16_head_rows
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             seq = prompt + out[:-1]
@@ -330,9 +333,10 @@ def check_greedy_decoding_against_reference(
                 bf16_product_rows=[prefill_int4] * len(prompt) + [decode_bf16] * (len(out) - 1),
                 bf16_head_rows=[head_bf16] * len(seq),
                 bf16_product_outputs=decode_products == "bf16",
-                q8_mlp_rows=[False] * len(prompt) + [decode_q8] * (len(out) - 1),
-                q8_attention_rows=[False] * len(prompt)
-                + [decode_products == "q8"] * (len(out) - 1),
+                q8_mlp_rows=[prompt_q8] * len(prompt) + [decode_q8] * (len(out) - 1),
+                q8_attention_rows=[prompt_q8] * len(prompt)
+                + [decode_products in ("q8", "q8_all")] * (len(out) - 1),
+                q8_head_rows=[prompt_q8] * len(seq),
                 kv_transform=kv_transform,
             )
             expected = ref.logits[len(prompt) - 1 :]

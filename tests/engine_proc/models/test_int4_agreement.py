@@ -94,7 +94,7 @@ def test_int4_replies_leave_the_dense_model_only_at_near_ties(
     assert identical >= 5, note  # measured: 5 to 7 of 8, by arithmetic and batching
 
 
-def _fused_engine(checkpoint, num_kv_blocks: int) -> LLMEngine:
+def _fused_engine(checkpoint, num_kv_blocks: int, activations: str = "exact") -> LLMEngine:
     """An int4 engine on the fused step with our 4-bit kernels (skips where there are none)."""
     from engine_proc.executor import fused_build
 
@@ -102,7 +102,8 @@ def _fused_engine(checkpoint, num_kv_blocks: int) -> LLMEngine:
     if why is not None:
         pytest.skip(f"the fused decode step {why}")
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=num_kv_blocks, decode_weights="int4", decode_step="fused"),
+        EngineConfig(num_kv_blocks=num_kv_blocks, decode_weights="int4", decode_step="fused",
+                     decode_activations=activations),
         checkpoint=checkpoint,
     )
     step = engine.runner.fused.step
@@ -158,4 +159,33 @@ def test_wide_fused_steps_follow_the_dense_model(
         note = f"(leading tokens equal, dense margin at the divergence): {found}"
         assert all(m is None or 0 <= m < near_tie for _, m in found), note
         assert sum(m is None for _, m in found) >= identical, note
+    assert engine.runner.num_fused_steps > 0
+
+
+def test_int8_activations_follow_the_dense_model_one_reply_at_a_time(
+    default_checkpoint, parity_references, hf_default_model
+) -> None:
+    """decode_activations="int8": every step, one row included, takes 8-bit activations in all
+    four products and the 8-bit head (llama.cpp's Q4 x Q8 arithmetic), so a chat alone runs
+    them. The parity prompts one at a time: a reply leaves the dense one only where the dense
+    choice led by less than 8-bit activations move logits (Q8_NEAR_TIE); a wrong product or
+    head moves them by whole units from the first token. Measured on AVX2 (leading tokens
+    equal, dense margin): 2 (0.095), 0 (0.082), 4 (0.109), 37 (0.151), 43 (0.226), 11, 48,
+    2 (0.048): 2 of 8 identical, every divergence at a margin under 0.23. Near-ties flip more
+    often than under the exact arithmetic (8 of 8 identical), as they do in llama.cpp, so the
+    margins are what this test holds."""
+    prompt_ids, references = parity_references
+    engine = _fused_engine(default_checkpoint, 512, activations="int8")
+    step = engine.runner.fused.step
+    if not step.int8_activations:
+        pytest.skip("8-bit activations need the AVX2 or AVX512-VNNI 8-bit kernels")
+    assert step.precise_rows == 0 and set(step.q8_products) == {"qkv", "o", "gate_up", "down"}
+    assert step.wide_head_kind == "q8"  # the default model's head is Q8_0
+    assert engine.runner.fused.detail.endswith("+int8")
+    params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0)
+    replies = [engine.generate([p], params)[0].token_ids for p in prompt_ids]
+    found = _divergences(hf_default_model, prompt_ids, replies, references)
+    note = f"(leading tokens equal, dense margin at the divergence): {found}"
+    assert all(m is None or 0 <= m < Q8_NEAR_TIE for _, m in found), note
+    assert sum(m is None for _, m in found) >= 1, note
     assert engine.runner.num_fused_steps > 0
