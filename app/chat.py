@@ -15,7 +15,13 @@ import sys
 import threading
 from typing import IO, Any
 
-from app.supervisor import DECODE_WEIGHTS, EngineOptions, EngineSupervisor, engine_command
+from app.supervisor import (
+    DECODE_ACTIVATIONS,
+    DECODE_WEIGHTS,
+    EngineOptions,
+    EngineSupervisor,
+    engine_command,
+)
 from ipc import protocol as P
 from ipc.client import EngineClient, EngineError
 
@@ -43,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="int4: 4-bit weight copies for decode on CPU (~2x faster replies); dense: the "
         "model's own precision; auto (default): int4 on a CPU, dense on a GPU",
     )
+    g.add_argument("--decode-activations", default=None, choices=DECODE_ACTIVATIONS,
+                   help="exact (default): replies are the 4-bit model's own; int8: 8-bit "
+                   "activations, llama.cpp's arithmetic, faster on AVX2 CPUs")
     g.add_argument(
         "--engine-args", default="", help='more `serve` options, e.g. "--num-blocks 512"'
     )
@@ -188,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             device=args.device,
             decode_weights=args.decode_weights,
+            decode_activations=args.decode_activations,
             client_timeout=None,  # the server's own default
             extra_args=["--log-level", "WARNING", *shlex.split(args.engine_args)],
         )

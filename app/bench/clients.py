@@ -53,7 +53,8 @@ BLOCK_SIZE = 16  # the engine's default; sizes the KV pool below
 HEARTBEAT_INTERVAL_S = 20.0
 # workload["engine"] keys -> `engine_proc serve` flags
 ENGINE_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens":
-                "--max-num-batched-tokens", "long_prefill_chunk": "--long-prefill-chunk"}
+                "--max-num-batched-tokens", "long_prefill_chunk": "--long-prefill-chunk",
+                "decode_activations": "--decode-activations"}
 
 
 @dataclass(slots=True)

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="fused: the C++ decode step the app and serve use on a CPU (built now)")
     ap.add_argument("--decode-weights", default="auto", choices=("auto", "dense", "int4"),
                     help="auto: 4-bit on a CPU, as the app and serve start")
+    ap.add_argument("--decode-activations", default="exact", choices=("exact", "int8"),
+                    help="the fused step's arithmetic (EngineConfig.decode_activations)")
     ap.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     ap.add_argument("--draft-model", default=None, metavar="PATH",
                     help="drafts from this model (same tokenizer) instead of prompt lookup; "
@@ -76,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                                     max_num_seqs=max(args.streams),
                                     decode_step=args.decode_step,
                                     decode_weights=args.decode_weights,
+                                    decode_activations=args.decode_activations,
                                     speculative_config=spec))
     print(f"model {engine.checkpoint_name} on {engine.device}, {args.tokens} tokens a stream, "
-          f"{spec}, decode step {args.decode_step}, weights {args.decode_weights}")
+          f"{spec}, decode step {args.decode_step}, weights {args.decode_weights}, activations "
+          f"{args.decode_activations}")
     run(engine, PROMPTS["free"], 1, 8, True)  # warm-up
     stats = engine.stats.spec_decode
     for name in args.prompts:

@@ -177,6 +177,19 @@ def test_kv_events_config_reaches_the_spawned_engine_and_is_not_remembered():
     assert "--kv-events-config" in (check_security(both, []) or "")
 
 
+def test_decode_activations_reach_the_engines_of_serve_and_chat():
+    from app.api.keeper import engine_options
+    from app.chat import build_parser as chat_parser
+    from app.serve import build_parser
+
+    args = engine_options(build_parser().parse_args(["--decode-activations", "int8"])).to_args()
+    assert args[args.index("--decode-activations") + 1] == "int8"
+    assert "--decode-activations" not in engine_options(build_parser().parse_args([])).to_args()
+    assert chat_parser().parse_args(["--decode-activations", "int8"]).decode_activations == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--decode-activations", "int4"])
+
+
 def _cpuinfo(cores: int, threads_per_core: int) -> str:
     return "\n\n".join(f"processor\t: {i}\nphysical id\t: 0\ncore id\t\t: {i // threads_per_core}"
                        for i in range(cores * threads_per_core))

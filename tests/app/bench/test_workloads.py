@@ -91,7 +91,7 @@ def test_streams_workloads_are_n_identical_greedy_streams(sizes) -> None:
         assert len({tuple(r["prompt"]) for r in reqs}) == n
         # kvscope's CPU defaults, said so: 4-bit decode weights, the fused C++ decode step
         assert w["engine"] == {"decode_weights": "auto", "decode_step": "fused"}
-        assert WORKLOAD_SYSTEMS[w["name"]] == ("kvscope", "hf", "llamacpp")
+        assert WORKLOAD_SYSTEMS[w["name"]] == ("kvscope", "kvscope-int8", "hf", "llamacpp")
         prompts.append([r["prompt"] for r in reqs])
     for small, large in zip(prompts, prompts[1:], strict=False):
         assert large[: len(small)] == small  # every level serves the smaller levels' prompts

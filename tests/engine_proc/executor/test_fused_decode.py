@@ -243,8 +243,8 @@ def test_a_start_finding_a_build_in_progress_decodes_eagerly_then_switches(monke
     monkeypatch.setattr(fused_build, "build_unavailable_reason", lambda: None)
     monkeypatch.setattr(fused_build, "build_state", lambda: "building")
     monkeypatch.setattr(fused_build, "load_extension", another_process_building)
-    step = SimpleNamespace(int4_kernel="avx2_fp32")
-    monkeypatch.setattr(fd.FusedDecodeStep, "create", lambda model, module: step)
+    step = SimpleNamespace(int4_kernel="avx2_fp32", int8_activations=False)
+    monkeypatch.setattr(fd.FusedDecodeStep, "create", lambda model, module, activations: step)
     monkeypatch.setattr(fused_head, "use_head_kernel", lambda model, module, step: None)
     engine = _engine("auto")
     fused = engine.runner.fused

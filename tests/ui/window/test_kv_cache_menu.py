@@ -163,6 +163,30 @@ def test_decode_weights_share_the_restart_flow(spawned):
     assert w.settings.value("engine/decode_weights") == "int4"
 
 
+def test_decode_activations_share_it_and_are_remembered(spawned, tmp_path):
+    w = spawned
+    actions = w.option_menus.activation_actions
+    assert actions["exact"].isChecked() and not actions["int8"].isChecked()
+    restarts = len(w.restarts)
+    actions["exact"].trigger()  # what runs already: no restart
+    assert len(w.restarts) == restarts
+    actions["int8"].trigger()
+    assert _flag(w.restarts[-1], "--decode-activations") == "int8"
+    assert w.settings.value("engine/decode_activations") == "int8"
+    assert actions["int8"].isChecked()
+    with pytest.raises(ValueError, match=r"decode activations must be one of \['exact', 'int8'\]"):
+        w.option_menus.set_decode_activations("int4")
+    # the next start takes the remembered choice; the command line wins; a stale value is dropped
+    parse = app_main.build_parser().parse_args
+    settings = DictSettings({"engine/decode_activations": "int8"})
+    assert app_main._engine_options(parse([]), settings, tmp_path).decode_activations == "int8"
+    opts = app_main._engine_options(parse(["--decode-activations", "exact"]), settings, tmp_path)
+    assert opts.decode_activations == "exact"
+    stale = DictSettings({"engine/decode_activations": "fp4"})
+    assert app_main._engine_options(parse([]), stale, tmp_path).decode_activations is None
+    assert "--decode-activations" not in EngineOptions().to_args()
+
+
 def test_remembered_choices_show_in_the_menu(qtbot, tmp_path):
     d = tmp_path / "data"
     opts = EngineOptions(kv_host_memory=3 * GIB, kv_disk_dir=str(d / "kv-cache"),
