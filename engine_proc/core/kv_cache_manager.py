@@ -380,10 +380,16 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence, keep_hashes_below: int | None = None) -> None:
-        """Release seq's blocks, tail first so the tail is evicted first. Blocks from index
-        keep_hashes_below on lose their hash (their K/V was never written: a failed step)."""
-        for table in (*seq.group_tables, seq.block_table):
-            for i in range(len(table) - 1, -1, -1):
+        """Release seq's blocks; the free queue evicts what is freed first first. A full-attention
+        table goes tail first, so a prefix's head, which other requests share, stays longest; a
+        sliding one head first, so the window's last blocks, which the same chat's next turn
+        hits (`_sliding_hit`), stay longest. Blocks from index keep_hashes_below on lose their
+        hash (their K/V was never written: a failed step)."""
+        tables = [*zip(seq.group_tables, self.windows[1:], strict=False),  # none yet: []
+                  (seq.block_table, self.windows[0])]  # fmt: skip
+        for table, window in tables:
+            order = range(len(table) - 1, -1, -1) if window is None else range(len(table))
+            for i in order:
                 if table[i] == NO_BLOCK:
                     continue
                 block = self.pool.blocks[table[i]]

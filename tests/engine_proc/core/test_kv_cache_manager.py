@@ -112,3 +112,22 @@ def test_free_releases_tail_first():
     kv.free(seq)
     assert list(kv.pool.free_queue)[-3:] == table[::-1]
     assert kv.pool.num_free == 8
+
+
+def test_sliding_tables_are_freed_head_first():
+    """A sliding window's hit needs the window's last blocks (the same chat's next turn), so
+    those go last to the free queue's evicting end; a full table's head goes last."""
+    sliding = KVCacheManager(num_blocks=8, block_size=2, enable_caching=True, windows=(4,))
+    seq = make_seq(list(range(6)))
+    run_prompt(sliding, seq)
+    table = list(seq.block_table)
+    sliding.free(seq)
+    assert list(sliding.pool.free_queue)[-3:] == table and sliding.pool.num_free == 8
+    hybrid = KVCacheManager(num_blocks=16, block_size=2, enable_caching=True, windows=(None, 4))
+    seq = make_seq(list(range(6)))
+    run_prompt(hybrid, seq)
+    full, window = list(seq.block_table), list(seq.group_tables[0])
+    hybrid.free(seq)
+    # the sliding group first, head first; then the full group, tail first
+    assert list(hybrid.pool.free_queue)[-6:] == window + full[::-1]
+    assert hybrid.pool.num_free == 16
