@@ -176,6 +176,9 @@ class LiveConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     long_prefill_chunk: int
     enable_prefix_caching: bool
     paused: bool = False
+    # long_prefill_chunk is the engine's rule (its value here the chunk beside other requests;
+    # a prompt alone takes the whole budget), not a number someone set
+    long_prefill_chunk_default: bool = False
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -255,16 +258,23 @@ class Control(_ClientMsg, tag="control", kw_only=True):
     max_num_seqs: int | None = None  # set_limits
     max_num_batched_tokens: int | None = None  # set_limits
     long_prefill_chunk: int | None = None  # set_limits
+    # set_limits: true returns long_prefill_chunk to the engine's rule (LiveConfig's
+    # long_prefill_chunk_default)
+    default_prefill_chunk: bool | None = None
     enable_prefix_caching: bool | None = None  # set_prefix_caching
 
     def __post_init__(self) -> None:
-        limits = (self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_chunk)
+        limits = (self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_chunk,
+                  self.default_prefill_chunk or None)  # fmt: skip
         if self.op == "set_limits" and all(v is None for v in limits):
             raise ValueError(
                 "set_limits needs at least one of max_num_seqs, max_num_batched_tokens, "
-                "long_prefill_chunk"
+                "long_prefill_chunk, default_prefill_chunk"
             )
-        if self.op != "set_limits" and any(v is not None for v in limits):
+        if self.default_prefill_chunk and self.long_prefill_chunk is not None:
+            raise ValueError("give long_prefill_chunk or default_prefill_chunk, not both")
+        if self.op != "set_limits" and (any(v is not None for v in limits)
+                                        or self.default_prefill_chunk is not None):
             raise ValueError(f"limits are only allowed with op 'set_limits', got op {self.op!r}")
         if self.op == "set_prefix_caching" and self.enable_prefix_caching is None:
             raise ValueError("set_prefix_caching needs enable_prefix_caching (true or false)")

@@ -23,21 +23,31 @@ logger = logging.getLogger("engine_proc.engine.llm_engine")
 class LiveControl(EngineParts):
     def live_config(self) -> dict[str, int | bool]:
         limits = dataclasses.asdict(self.scheduler.limits)
-        if limits["long_prefill_chunk"] is None:  # the chunk while others run (a prompt alone
-            limits["long_prefill_chunk"] = DEFAULT_PREFILL_CHUNK  # takes the whole budget)
-        return limits | {"enable_prefix_caching": self.kv.enable_caching}
+        default = limits["long_prefill_chunk"] is None
+        if default:  # the chunk while others run (a prompt alone takes the whole budget)
+            limits["long_prefill_chunk"] = DEFAULT_PREFILL_CHUNK
+        return limits | {"enable_prefix_caching": self.kv.enable_caching,
+                         "long_prefill_chunk_default": default}  # fmt: skip
 
     def set_limits(
         self,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         long_prefill_chunk: int | None = None,
+        default_prefill_chunk: bool = False,
     ) -> dict[str, int | bool]:
+        """None leaves a limit as it is; default_prefill_chunk=True returns long_prefill_chunk
+        to the engine's rule (EngineConfig.long_prefill_chunk=None)."""
+        if default_prefill_chunk and long_prefill_chunk is not None:
+            raise ValueError("give long_prefill_chunk or default_prefill_chunk, not both")
         self.scheduler.set_limits(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_chunk=long_prefill_chunk,
         )
+        if default_prefill_chunk:
+            limits = self.scheduler.limits
+            self.scheduler.limits = dataclasses.replace(limits, long_prefill_chunk=None)
         return self.live_config()
 
     def set_prefix_caching(self, enabled: bool) -> dict[str, int | bool]:

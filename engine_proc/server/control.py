@@ -68,11 +68,14 @@ class Controls:
         result: bool | None = None
         try:
             if msg.op == "set_limits":
-                self.engine.set_limits(
-                    max_num_seqs=msg.max_num_seqs,
-                    max_num_batched_tokens=msg.max_num_batched_tokens,
-                    long_prefill_chunk=msg.long_prefill_chunk,
-                )
+                limits: dict[str, int | bool | None] = {
+                    "max_num_seqs": msg.max_num_seqs,
+                    "max_num_batched_tokens": msg.max_num_batched_tokens,
+                    "long_prefill_chunk": msg.long_prefill_chunk,
+                }
+                if msg.default_prefill_chunk:  # (asked for only when given)
+                    limits["default_prefill_chunk"] = True
+                self.engine.set_limits(**limits)
             elif msg.op == "set_prefix_caching":
                 self.engine.set_prefix_caching(bool(msg.enable_prefix_caching))
             elif msg.op == "reset_prefix_cache":

@@ -91,6 +91,7 @@ def live_config_of(cfg: dict[str, Any], paused: bool) -> P.LiveConfig:
         long_prefill_chunk=int(cfg["long_prefill_chunk"]),
         enable_prefix_caching=bool(cfg["enable_prefix_caching"]),
         paused=paused,
+        long_prefill_chunk_default=bool(cfg.get("long_prefill_chunk_default", False)),
     )
 
 

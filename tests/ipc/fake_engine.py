@@ -46,6 +46,8 @@ class FakeEngine:
         return {**self.limits, "enable_prefix_caching": self.caching}
 
     def set_limits(self, **kw: Any) -> dict[str, Any]:
+        if kw.pop("default_prefill_chunk", False):
+            self.limits["long_prefill_chunk"] = 512
         for k, v in kw.items():
             if v is not None:
                 if not isinstance(v, int) or v < (0 if k == "long_prefill_chunk" else 1):

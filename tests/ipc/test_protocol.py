@@ -86,7 +86,7 @@ DOC_CLIENT_FIELDS = {
     "abort": _TOKEN | {"request_id"},
     "control": _TOKEN
     | {"op", "control_id", "max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk",
-       "enable_prefix_caching"},
+       "default_prefill_chunk", "enable_prefix_caching"},
     "heartbeat": _TOKEN | {"time", "paused"},  # one struct both ways; paused: engine -> client
     "goodbye": _TOKEN | {"reason"},
 }  # fmt: skip
@@ -130,7 +130,7 @@ DOC_NESTED_FIELDS = {
                          "block_hashes", "output_token_ids"},
     P.KVHandoff: {"lease_id", "endpoint", "block_hashes", "lease_seconds"},
     P.LiveConfig: {"max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk",
-                   "enable_prefix_caching", "paused"},
+                   "enable_prefix_caching", "paused", "long_prefill_chunk_default"},
     P.Usage: {"prompt_tokens", "cached_tokens", "completion_tokens", "draft_tokens",
               "accepted_draft_tokens"},
     P.TokenLogprobs: {"token_id", "token", "logprob", "top"},
@@ -341,6 +341,17 @@ def _err(data: bytes) -> P.ProtocolError:
         ({"kind": "abort", "request_id": 5}, P.ERR_INVALID_MESSAGE, "request_id"),
         ({"kind": "control", "op": "explode"}, P.ERR_INVALID_MESSAGE, "op"),
         ({"kind": "control", "op": "set_limits"}, P.ERR_INVALID_MESSAGE, "max_num_seqs"),
+        (
+            {"kind": "control", "op": "set_limits", "default_prefill_chunk": True,
+             "long_prefill_chunk": 64},
+            P.ERR_INVALID_MESSAGE,
+            "not both",
+        ),
+        (
+            {"kind": "control", "op": "pause", "default_prefill_chunk": True},
+            P.ERR_INVALID_MESSAGE,
+            "set_limits",
+        ),
         (
             {"kind": "control", "op": "pause", "max_num_seqs": 3},
             P.ERR_INVALID_MESSAGE,

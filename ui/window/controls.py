@@ -30,6 +30,8 @@ LIMITS = (
      "long_prefill_chunk: the most prompt tokens one request may take per step (0 = no limit). "
      "Until set here: 512 while other requests run, and a prompt alone takes the whole budget"),
 )
+AUTO_CHUNK_TIP = ("the engine's own rule: 512 prompt tokens per step while other requests run, "
+                  "the whole token budget for a prompt alone")
 
 
 def config_dict(cfg) -> dict:
@@ -64,6 +66,12 @@ class ControlsPanel(QGroupBox):
             grid.addWidget(s, row, 1)
             grid.addWidget(val, row, 2)
             self.sliders[name], self.values[name] = s, val
+        # the prefill chunk's way back to the engine's rule once the slider has set a number
+        self.auto_chunk = QCheckBox("auto")
+        self.auto_chunk.setToolTip(AUTO_CHUNK_TIP)
+        self.auto_chunk.clicked.connect(self._on_auto_chunk)
+        chunk_row = [n for n, *_ in LIMITS].index("long_prefill_chunk")
+        grid.addWidget(self.auto_chunk, chunk_row, 3)
         self.prefix = QCheckBox("prefix caching")
         self.prefix.setToolTip("reuse the KV of earlier requests with the same token prefix")
         self.prefix.clicked.connect(
@@ -75,10 +83,10 @@ class ControlsPanel(QGroupBox):
         row.addWidget(self.prefix)
         row.addStretch(1)
         row.addWidget(self.flush)
-        grid.addLayout(row, len(LIMITS), 0, 1, 3)
+        grid.addLayout(row, len(LIMITS), 0, 1, 4)
         self.status = QLabel("")
         self.status.setStyleSheet(f"color: {theme.MUTED}; font-size: 8pt;")
-        grid.addWidget(self.status, len(LIMITS) + 1, 0, 1, 3)
+        grid.addWidget(self.status, len(LIMITS) + 1, 0, 1, 4)
         self._debounce = QTimer(self)
         self._debounce.setSingleShot(True)
         self._debounce.setInterval(150)
@@ -90,8 +98,19 @@ class ControlsPanel(QGroupBox):
         self.values[name].setText(str(value))
         if self.signalsBlocked():
             return
+        if name == "long_prefill_chunk":  # a number of one's own from now on
+            self.auto_chunk.setChecked(False)
         self._pending[name] = value
         self._debounce.start()
+
+    def _on_auto_chunk(self, on: bool) -> None:
+        """Checked: back to the engine's rule; unchecked: keep the number the slider shows."""
+        self._pending.pop("long_prefill_chunk", None)
+        if on:
+            self.status.setText("applying the default prefill chunk")
+            self.control.emit("set_limits", {"default_prefill_chunk": True})
+        else:
+            self._on_slider("long_prefill_chunk", self.sliders["long_prefill_chunk"].value())
 
     def set_limit(self, name: str, value: int) -> None:
         """Move a slider as a user would (tests, keyboard); applies after the debounce."""
@@ -116,6 +135,8 @@ class ControlsPanel(QGroupBox):
                 self.values[name].setText(str(value))
         if "enable_prefix_caching" in cfg:
             self.prefix.setChecked(bool(cfg["enable_prefix_caching"]))
+        if "long_prefill_chunk" not in self._pending:
+            self.auto_chunk.setChecked(bool(cfg.get("long_prefill_chunk_default", False)))
 
     def show_result(self, text: str, error: bool = False) -> None:
         colour = "#ff8a80" if error else theme.MUTED

@@ -200,7 +200,8 @@ class RemoteWatch(QObject):
         if url:
             controls.setEnabled(False)
         controls.setToolTip(tip)
-        for widget in (*controls.sliders.values(), controls.prefix, controls.flush):
+        for widget in (*controls.sliders.values(), controls.auto_chunk, controls.prefix,
+                       controls.flush):
             widget.setProperty("engine_tip", widget.property("engine_tip") or widget.toolTip())
             widget.setToolTip(tip or widget.property("engine_tip"))
         controls.show_result(

@@ -99,6 +99,16 @@ def test_request_ids_and_limits(engine):
     with pytest.raises(ValueError, match="long_prefill_chunk must be an integer >= 0"):
         engine.set_limits(long_prefill_chunk=-1)
     assert engine.live_config()["max_num_seqs"] == 64  # nothing changed
+    # a chunk of one's own, then back to the engine's rule (None: 512 beside others)
+    assert engine.live_config()["long_prefill_chunk_default"] is True
+    config = engine.set_limits(long_prefill_chunk=64)
+    assert (config["long_prefill_chunk"], config["long_prefill_chunk_default"]) == (64, False)
+    assert engine.scheduler.limits.long_prefill_chunk == 64
+    with pytest.raises(ValueError, match="long_prefill_chunk or default_prefill_chunk, not both"):
+        engine.set_limits(long_prefill_chunk=32, default_prefill_chunk=True)
+    config = engine.set_limits(default_prefill_chunk=True)
+    assert (config["long_prefill_chunk"], config["long_prefill_chunk_default"]) == (512, True)
+    assert engine.scheduler.limits.long_prefill_chunk is None
     engine.add_request("long", [5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
     (out,) = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=2))  # shares steps
     assert out.finished and engine.is_active("long")

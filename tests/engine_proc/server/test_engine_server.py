@@ -483,6 +483,12 @@ def test_control_shows_in_next_snapshot_and_in_scheduling(engine, client) -> Non
         # lasted only a few fast steps is still seen.
         assert max(st.num_waiting for t in snaps for st in t.steps) >= 1
         assert client.set_limits(max_num_seqs=64).max_num_seqs == 64
+        # a prefill chunk of one's own, then the engine's rule again
+        assert client.set_limits(long_prefill_chunk=64).long_prefill_chunk_default is False
+        ack = client.control("set_limits", default_prefill_chunk=True)
+        assert ack.config.long_prefill_chunk_default and ack.config.long_prefill_chunk == 512
+        snap = wait_telemetry(sub, lambda t: t.time >= ack.time)
+        assert snap.config.long_prefill_chunk_default is True
 
         ack = client.control("set_prefix_caching", enable_prefix_caching=False)
         assert (

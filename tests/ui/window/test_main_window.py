@@ -82,6 +82,18 @@ def test_slider_change_reaches_the_engine(win, qtbot):
                     and win.history.latest.config.get("long_prefill_chunk") == 64,
                     timeout=30_000)
     assert win.controls.values["max_num_seqs"].text() == "7"
+    assert not win.controls.auto_chunk.isChecked()  # a number of the slider's
+    win.controls.auto_chunk.click()  # back to the engine's rule
+    qtbot.waitUntil(lambda: win.history.latest.config.get("long_prefill_chunk_default") is True,
+                    timeout=30_000)
+    assert win.history.latest.config["long_prefill_chunk"] == 512  # beside other requests
+    assert win.controls.auto_chunk.isChecked() and win.controls.values[
+        "long_prefill_chunk"].text() == "512"
+    win.controls.set_limit("long_prefill_chunk", 128)  # moving the slider leaves the rule
+    assert not win.controls.auto_chunk.isChecked()
+    qtbot.waitUntil(lambda: win.history.latest.config.get("long_prefill_chunk") == 128
+                    and not win.history.latest.config.get("long_prefill_chunk_default"),
+                    timeout=30_000)
     win.controls.prefix.click()  # off
     qtbot.waitUntil(lambda: win.history.latest.config.get("enable_prefix_caching") is False,
                     timeout=30_000)
