@@ -149,11 +149,20 @@ inline Q8Rows quantize_rows(const float* x, int64_t rows, int64_t k, bool vector
 // (L1): the registers hold the R x 2 integer sums and the codes.
 template <int R, typename P>
 void int4_strip_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t row0,
-                   int64_t k, int64_t n, int64_t col, float* out) {
+                   int64_t k, int64_t n, int64_t col, float* out, bool prefetch) {
   const int64_t groups = k / kGroupSize;
+  const int64_t next_col = col + kStripCols;
+  prefetch = prefetch && next_col < n;
   const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   alignas(32) float acc[R][16] = {};
   for (int64_t g = 0; g < groups; ++g) {
+    if (prefetch) {  // the next strip's codes and planes (as the VNNI kernel does)
+      const char* next = reinterpret_cast<const char*>(strip + (k / 4 + 8 * g) * 32);
+      KVSCOPE_UNROLL
+      for (int line = 0; line < 4; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(planes + 2 * g * n + next_col), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(planes + (2 * g + 1) * n + next_col), _MM_HINT_T0);
+    }
     __m256i sums[R][2];
     KVSCOPE_UNROLL
     for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
@@ -196,11 +205,12 @@ template <typename P>
 void int4_strip_rows_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t rows,
                         int64_t k, int64_t n, int64_t col, float* out) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) int4_strip_q8<4>(strip, planes, a, r, k, n, col, out);
+  for (; r + 4 <= rows; r += 4) int4_strip_q8<4>(strip, planes, a, r, k, n, col, out, r == 0);
+  const bool first = r == 0;
   switch (rows - r) {
-    case 3: int4_strip_q8<3>(strip, planes, a, r, k, n, col, out); break;
-    case 2: int4_strip_q8<2>(strip, planes, a, r, k, n, col, out); break;
-    case 1: int4_strip_q8<1>(strip, planes, a, r, k, n, col, out); break;
+    case 3: int4_strip_q8<3>(strip, planes, a, r, k, n, col, out, first); break;
+    case 2: int4_strip_q8<2>(strip, planes, a, r, k, n, col, out, first); break;
+    case 1: int4_strip_q8<1>(strip, planes, a, r, k, n, col, out, first); break;
     default: break;
   }
 }
