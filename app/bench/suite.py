@@ -314,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
               f"over baseline (for latencies: baseline over kvscope; streaming: kvscope-http "
               f"over kvscope-zmq; KV tiers: the tier system against recomputing; int8 KV: "
               f"kvscope-kvint8 over the model-dtype KV), medians over repeats")
+    if args.engine_decode_activations != "exact":  # (every KVScope engine of the run)
+        header += (f"; every KVScope engine with --decode-activations "
+                   f"{args.engine_decode_activations}, kvscope's columns included")
     text = [header]
     if rows:
         text.append(format_table(rows))

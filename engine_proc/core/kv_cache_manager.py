@@ -380,14 +380,12 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence, keep_hashes_below: int | None = None) -> None:
-        """Release seq's blocks; the free queue evicts what is freed first first. A full-attention
-        table goes tail first, so a prefix's head, which other requests share, stays longest; a
-        sliding one head first, so the window's last blocks, which the same chat's next turn
-        hits (`_sliding_hit`), stay longest. Blocks from index keep_hashes_below on lose their
-        hash (their K/V was never written: a failed step)."""
-        tables = [*zip(seq.group_tables, self.windows[1:], strict=False),  # none yet: []
-                  (seq.block_table, self.windows[0])]  # fmt: skip
-        for table, window in tables:
+        """Release seq's blocks, what is freed first evicted first: a full table tail first (a
+        prefix's shared head stays longest), a sliding one head first (the window's last blocks,
+        which the chat's next turn hits, stay longest). Blocks from keep_hashes_below on lose
+        their hash (their K/V was never written: a failed step)."""
+        group0 = (seq.block_table, self.windows[0])  # (no group tables yet: [])
+        for table, window in [*zip(seq.group_tables, self.windows[1:], strict=False), group0]:
             order = range(len(table) - 1, -1, -1) if window is None else range(len(table))
             for i in order:
                 if table[i] == NO_BLOCK:

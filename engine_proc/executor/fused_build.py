@@ -3,8 +3,8 @@ with the machine's C++ compiler (torch's cpp_extension, ``-O3 -march=native``) a
 ``$KVSCOPE_CACHE_DIR/native`` (default ``~/.cache/kvscope/native``), keyed by its source,
 torch's version and this CPU's flags, so a second start loads it in well under a second.
 One process builds at a time, under a lock the OS drops with its process (build_lock.py):
-a start that finds a build in progress waits for it (fused_decode.py: eagerly, then switches).
-What uses it: engine_proc/executor/fused_decode.py."""
+a start that finds a build in progress waits for it (fused_lifecycle.py: eagerly, then switches).
+What uses it: engine_proc/executor/fused_lifecycle.py."""
 
 from __future__ import annotations
 

@@ -21,40 +21,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from engine_proc.attention.base import AttentionMetadata
-from engine_proc.config import SUPPORTED_DECODE_ACTIVATIONS, SUPPORTED_DECODE_STEPS
-from engine_proc.executor import fused_build, fused_head
+from engine_proc.executor import fused_head
 from engine_proc.models.config import ModelConfig
 from engine_proc.models.int4 import Int4Weight
 from engine_proc.models.llama import LlamaLayer, LlamaModel
 
 logger = logging.getLogger(__name__)
-
-def unsupported_reason(model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool) -> str | None:
-    """Why the fused step cannot serve this engine, or None when it can."""
-    why = architecture_unsupported_reason(model.config)
-    if why is not None:
-        return why
-    if model.decode_weights != "int4":
-        return "needs decode_weights='int4'"
-    if model.dtype != torch.float32 or kv_quantized or kv_cache.dtype not in (
-        torch.float32, torch.float16
-    ):
-        return "needs a float32 model and a float32 or fp16 KV cache"
-    if kv_cache.device.type != "cpu":
-        return "runs on the CPU only"
-    return fused_build.build_unavailable_reason()
-
 
 def architecture_unsupported_reason(config: ModelConfig) -> str | None:
     """The fused C++ step computes Llama's layer with Qwen2's q/k/v biases, Qwen3's q/k head
@@ -227,7 +206,9 @@ class FusedDecodeStep:
     # Logits of wider steps (hidden -> float32 logits), when set: 8-bit or bfloat16 activations
     # against the exact 8-bit output projection (fused_head.use_head_kernel); else compute_logits'.
     wide_head: Callable[[torch.Tensor], torch.Tensor] | None = None
-    wide_head_kind: str = "none"  # "q8" (8-bit activations), "bf16" or "none"
+    # "q8" (8-bit activations), "bf16", "q8_float" (the exact 8-bit head's float32 kernel, for
+    # every row under int8_activations) or "none"
+    wide_head_kind: str = "none"
     # decode_activations="int8": every step's four products (and the 8-bit head) on 8-bit
     # activations, precise_rows 0
     int8_activations: bool = False
@@ -260,10 +241,12 @@ class FusedDecodeStep:
             raise ValueError(f"int4_kernel avx512_bf16 reads 64-column blocks, torch packs {block}")
         q8_kernel = Q8_KERNELS[module.best_q8_kernel()]
         q8_products = Q8_PRODUCTS.get((kernel, q8_kernel), ()) if q8_activations else ()
-        int8 = activations == "int8" and q8_kernel != "portable" and block is not None
+        ours = kernel in ("avx2_fp32", "avx512_bf16")  # (their strips fit the model's shapes)
+        int8 = activations == "int8" and ours and q8_kernel != "portable"
         if activations == "int8" and not int8:
-            logger.warning("decode_activations='int8' needs an AVX2 CPU and torch's packed "
-                           "4-bit layout; the fused step keeps float32 activations")
+            logger.warning("decode_activations='int8' needs our 4-bit kernels (AVX2, torch's "
+                           "packed layout, outputs in multiples of 64); here the %s kernel runs "
+                           "with float32 activations", kernel)  # fmt: skip
         if int8:
             q8_products = _ALL
         strips = functools.partial(_strips, module, block)
@@ -339,83 +322,3 @@ class FusedDecodeStep:
 
 def _strips(module: ModuleType, block: int, packed: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return module.int4_strips(packed, k, n, block)
-
-
-class FusedDecode:
-    """The fused step of one runner, per ``decode_step``: "fused" builds (or loads) it now;
-    "auto" loads a finished build now, or builds one on a low-priority background thread (or
-    waits there for another process's build, fused_build.py) while the engine decodes eagerly,
-    and switches when it is ready; "eager" never uses it. A build that fails, or a model it
-    cannot serve, leaves the eager path with a reason (logged, and in ``detail``)."""
-
-    def __init__(
-        self, model: LlamaModel, kv_cache: torch.Tensor, kv_quantized: bool, mode: str,
-        activations: str = "exact",
-    ) -> None:  # fmt: skip
-        if mode not in SUPPORTED_DECODE_STEPS:
-            raise ValueError(f"decode_step must be one of {SUPPORTED_DECODE_STEPS}, got {mode!r}")
-        if activations not in SUPPORTED_DECODE_ACTIVATIONS:
-            raise ValueError(f"decode_activations must be one of {SUPPORTED_DECODE_ACTIVATIONS}, "
-                             f"got {activations!r}")  # fmt: skip
-        self.model = model
-        self.activations = activations
-        self.step: FusedDecodeStep | None = None
-        self.state = "eager"  # "fused" | "building" | "eager"
-        # fused: the 4-bit kernel (INT4_KERNELS); building: "here" or "elsewhere" (another
-        # process builds it); eager: why (what the window shows)
-        self.detail = "decode_step='eager'" if mode == "eager" else ""
-        self._pending: Future[ModuleType | str] | None = None
-        if mode == "eager":
-            return
-        why = unsupported_reason(model, kv_cache, kv_quantized)
-        if why is not None:
-            log = logger.warning if mode == "fused" else logger.info
-            log("fused decode step not used: %s; decoding eagerly", why)
-            self.detail = why
-            return
-        found = "built" if mode == "fused" else fused_build.build_state()
-        if found == "built":
-            self._use(_guarded_load)
-        else:
-            self.state, self.detail = "building", "elsewhere" if found == "building" else "here"
-            self._pending = _build_in_background()
-
-    def ready(self) -> FusedDecodeStep | None:
-        """The fused step once it is usable (polls a background build), else None."""
-        if self._pending is not None and self._pending.done():
-            pending, self._pending = self._pending, None
-            self._use(pending.result)
-        return self.step
-
-    def _use(self, get_module: Callable[[], ModuleType | str]) -> None:
-        module = get_module()
-        if isinstance(module, str):  # why it could not be built
-            self.state, self.detail = "eager", module
-            return
-        self.step = FusedDecodeStep.create(self.model, module, activations=self.activations)
-        fused_head.use_head_kernel(self.model, module, self.step)
-        # the window's status line reads "+int8" as the 8-bit arithmetic (ui/window/decode_status)
-        suffix = "+int8" if self.step.int8_activations else ""
-        self.state, self.detail = "fused", self.step.int4_kernel + suffix
-
-
-def _guarded_load() -> ModuleType | str:
-    try:
-        return fused_build.load_extension()
-    except Exception as exc:  # no compiler, a compile error, an unloadable module: stay eager
-        logger.warning("fused decode step unavailable (%s); decoding eagerly", exc)
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return f"the build failed: {first_line[:120]}"  # the log has the whole error
-
-
-def _build_in_background() -> Future[ModuleType | str]:
-    future: Future[ModuleType | str] = Future()
-
-    def build() -> None:
-        if sys.platform == "linux":  # nice is per thread on Linux; the compiler inherits it
-            os.nice(19)
-        logger.info("building the fused decode step in the background (once per machine)")
-        future.set_result(_guarded_load())
-
-    threading.Thread(target=build, name="fused-decode-build", daemon=True).start()
-    return future

@@ -30,6 +30,7 @@ class WideHeadStep(Protocol):
     q8_kernel: str
     wide_head: Head | None
     wide_head_kind: str
+    int8_activations: bool
 
 
 def use_head_kernel(
@@ -51,11 +52,17 @@ def use_head_kernel(
         if step is not None:
             step.wide_head_kind, step.wide_head = _wide_head(model, module, step, codes, scales)
         kind = "q8"
+        if step is not None and step.int8_activations and step.wide_head is None:
+            step.wide_head_kind, step.wide_head = "q8_float", model.head_kernel
     elif model.lm_head_decode is not None:
         weight, native = model.lm_head_decode, model.native_bf16
         model.head_kernel = lambda hidden: module.bf16_logits(hidden, weight, native)
         model.head_kernel_rows = model.lm_head_decode_rows
         kind = "bf16"
+        if step is not None and step.int8_activations:
+            # every row through the one kernel (above lm_head_decode_rows compute_logits takes
+            # the dense head), so a verified row's logits are its decode step's
+            step.wide_head_kind, step.wide_head = "bf16", model.head_kernel
     else:
         return "none"
     logger.info("fused decode step: output projection by the %s kernel", kind)

@@ -15,7 +15,8 @@ from engine_proc.core.kv_groups import KVLayout
 from engine_proc.core.request import Sequence
 from engine_proc.core.scheduler import ScheduledBatch
 from engine_proc.executor.cuda_graphs import DecodeGraphRunner, Graph
-from engine_proc.executor.fused_decode import FusedDecode, FusedDecodeStep
+from engine_proc.executor.fused_decode import FusedDecodeStep
+from engine_proc.executor.fused_lifecycle import FusedDecode
 from engine_proc.executor.step_input import StepInput
 from engine_proc.models.llama import LlamaModel
 
@@ -182,6 +183,16 @@ class ModelRunner:
             return self._run(self.prepare(batch), fused)
         one_token, rest = split_single_token_rows(batch)
         parts: list[tuple[torch.Tensor, list[Sequence]]] = []
+        if fused.int8_activations:
+            # Speculative rows as fused rows whatever else the step holds: a verified row then
+            # computes what its decode step would (8-bit arithmetic), so speculation stays exact.
+            spec, rest = split_rows(rest, lambda seq: bool(seq.spec_token_ids))
+            if spec.seqs:
+                parts.append(self._run_prompt_rows(self.prepare(spec), fused))
+            if not rest.seqs:
+                if one_token.seqs:
+                    parts.append(self._run(self.prepare(one_token), fused))
+                return merge_in_batch_order(batch, parts)
         if sum(rest.num_new_tokens) <= fused.max_prompt_tokens:
             # Short prompt chunks as one-token rows of the fused step, its precise products
             # (the decodes, if any, in a call of their own). Rows are independent (each writes
@@ -191,11 +202,13 @@ class ModelRunner:
             parts.append(self._run_prompt_rows(self.prepare(rest), fused))
             return merge_in_batch_order(batch, parts)
         least = fused.precise_rows + 1 if self.min_split_rows is None else self.min_split_rows
-        if len(one_token.seqs) < least:
+        if len(one_token.seqs) < least and not parts:
             return self._run(self.prepare(batch), fused)
         # A mixed step: its one-token rows (the decodes) through the fused step, the prompt
         # chunks eagerly.
-        parts = [self._run(self.prepare(one_token), fused), self._run(self.prepare(rest), None)]
+        if one_token.seqs:
+            parts.append(self._run(self.prepare(one_token), fused))
+        parts.append(self._run(self.prepare(rest), None))
         self.num_split_steps += 1
         return merge_in_batch_order(batch, parts)
 
@@ -244,12 +257,21 @@ class ModelRunner:
 def split_single_token_rows(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
     """The rows of ``batch`` that compute one token (decodes, and prompts down to their last
     token), and the others; block copies stay with the whole batch (done before either runs)."""
-    one, rest = ScheduledBatch(), ScheduledBatch()
+    return split_rows(batch, lambda seq: False, lambda n: n == 1)
+
+
+def split_rows(
+    batch: ScheduledBatch, take: Callable[[Sequence], bool],
+    take_count: Callable[[int], bool] = lambda n: False,
+) -> tuple[ScheduledBatch, ScheduledBatch]:  # fmt: skip
+    """The rows whose sequence ``take``s or whose token count ``take_count``s, and the rest
+    (block copies with neither: they belong to the whole batch)."""
+    taken, rest = ScheduledBatch(), ScheduledBatch()
     for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-        part = one if n == 1 else rest
+        part = taken if take(seq) or take_count(n) else rest
         part.seqs.append(seq)
         part.num_new_tokens.append(n)
-    return one, rest
+    return taken, rest
 
 
 def merge_in_batch_order(

@@ -172,6 +172,22 @@ void q8_head_rows_avx2(const uint8_t* const* u, const float* const* d, const Q8H
 }
 #endif
 
+#if KVSCOPE_HAVE_AVX512_VNNI || KVSCOPE_HAVE_AVX2
+// Every row over one pair of 16-output blocks, by the vector kernel compiled in.
+inline void q8_head_pair_rows(const uint8_t* const* w, const float* const* d, const Q8Head& h,
+                              int64_t rows, int64_t k, float* o, int64_t ld) {
+  int64_t r = 0;
+#if KVSCOPE_HAVE_AVX512_VNNI
+  for (; r + 6 <= rows; r += 6) q8_head_rows_vnni<6, 2>(w, d, h, r, k, o, ld);
+  for (; r + 3 <= rows; r += 3) q8_head_rows_vnni<3, 2>(w, d, h, r, k, o, ld);
+  for (; r < rows; ++r) q8_head_rows_vnni<1, 2>(w, d, h, r, k, o, ld);
+#else
+  for (; r + 2 <= rows; r += 2) q8_head_rows_avx2<2, 2>(w, d, h, r, k, o, ld);
+  for (; r < rows; ++r) q8_head_rows_avx2<1, 2>(w, d, h, r, k, o, ld);
+#endif
+}
+#endif
+
 inline bool q8_head_vnni_available() { return KVSCOPE_HAVE_AVX512_VNNI != 0; }
 // a vector kernel for q8_q8_logits: VNNI, else AVX2
 inline bool q8_head_vector_available() { return KVSCOPE_HAVE_AVX512_VNNI != 0 || KVSCOPE_HAVE_AVX2 != 0; }
@@ -208,31 +224,14 @@ inline at::Tensor q8_q8_logits(const at::Tensor& hidden, const at::Tensor& u,
     });
     return out;
   }
-#if KVSCOPE_HAVE_AVX512_VNNI
+#if KVSCOPE_HAVE_AVX512_VNNI || KVSCOPE_HAVE_AVX2
   TORCH_CHECK(blocks % 2 == 0, "q8_q8_logits: N % 32 == 0");
   at::parallel_for(0, blocks / 2, 8, [&](int64_t p0, int64_t p1) {  // pairs of blocks
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = 2 * p;
       const uint8_t* w[2] = {up + b * k * 16, up + (b + 1) * k * 16};
       const float* d[2] = {sp + b * groups * 16, sp + (b + 1) * groups * 16};
-      float* o = op + b * 16;
-      int64_t r = 0;
-      for (; r + 6 <= rows; r += 6) q8_head_rows_vnni<6, 2>(w, d, h, r, k, o, ld);
-      for (; r + 3 <= rows; r += 3) q8_head_rows_vnni<3, 2>(w, d, h, r, k, o, ld);
-      for (; r < rows; ++r) q8_head_rows_vnni<1, 2>(w, d, h, r, k, o, ld);
-    }
-  });
-#elif KVSCOPE_HAVE_AVX2
-  TORCH_CHECK(blocks % 2 == 0, "q8_q8_logits: N % 32 == 0");
-  at::parallel_for(0, blocks / 2, 8, [&](int64_t p0, int64_t p1) {  // pairs of blocks
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = 2 * p;
-      const uint8_t* w[2] = {up + b * k * 16, up + (b + 1) * k * 16};
-      const float* d[2] = {sp + b * groups * 16, sp + (b + 1) * groups * 16};
-      float* o = op + b * 16;
-      int64_t r = 0;
-      for (; r + 2 <= rows; r += 2) q8_head_rows_avx2<2, 2>(w, d, h, r, k, o, ld);
-      for (; r < rows; ++r) q8_head_rows_avx2<1, 2>(w, d, h, r, k, o, ld);
+      q8_head_pair_rows(w, d, h, rows, k, op + b * 16, ld);
     }
   });
 #endif

@@ -73,13 +73,19 @@ class DemoLink(QObject):
     def control(self, op: str, **fields) -> str:
         self._cid += 1
         if op == "set_limits":
-            self.engine.config.update({k: v for k, v in fields.items() if v is not None})
+            limits = {k: v for k, v in fields.items() if v is not None}
+            if limits.pop("default_prefill_chunk", False):  # the engine's rule: 512 beside others
+                limits |= {"long_prefill_chunk": 512, "long_prefill_chunk_default": True}
+            elif "long_prefill_chunk" in limits:
+                limits["long_prefill_chunk_default"] = False
+            self.engine.config.update(limits)
         elif op == "set_prefix_caching":
             self.engine.config["enable_prefix_caching"] = bool(fields["enable_prefix_caching"])
         elif op == "reset_prefix_cache":
             self.engine.flush_prefix_cache()
         self.control_reply.emit(P.ControlAck(control_id=f"demo-{self._cid}", op=op,
                                              config=P.LiveConfig(**self.engine.config),
+                                             time=self.engine.t,
                                              result=True if op == "reset_prefix_cache" else None))
         return f"demo-{self._cid}"
 

@@ -48,6 +48,7 @@ class ControlsPanel(QGroupBox):
         self.sliders: dict[str, QSlider] = {}
         self.values: dict[str, QLabel] = {}
         self._pending: dict[str, int] = {}
+        self._pending_default_chunk = False  # "auto" clicked, the engine not yet there
         grid = QGridLayout(self)
         grid.setContentsMargins(6, 12, 6, 6)
         grid.setVerticalSpacing(3)
@@ -100,12 +101,14 @@ class ControlsPanel(QGroupBox):
             return
         if name == "long_prefill_chunk":  # a number of one's own from now on
             self.auto_chunk.setChecked(False)
+            self._pending_default_chunk = False
         self._pending[name] = value
         self._debounce.start()
 
     def _on_auto_chunk(self, on: bool) -> None:
         """Checked: back to the engine's rule; unchecked: keep the number the slider shows."""
         self._pending.pop("long_prefill_chunk", None)
+        self._pending_default_chunk = on
         if on:
             self.status.setText("applying the default prefill chunk")
             self.control.emit("set_limits", {"default_prefill_chunk": True})
@@ -125,8 +128,13 @@ class ControlsPanel(QGroupBox):
 
     def show_config(self, cfg: dict) -> None:
         """The engine's live config (telemetry or a control ack): move the widgets to it."""
+        default_chunk = bool(cfg.get("long_prefill_chunk_default", False))
+        if default_chunk:
+            self._pending_default_chunk = False
+        waiting = {"long_prefill_chunk"} if self._pending_default_chunk else set()
+        skip = self._pending.keys() | waiting  # changes on their way to the engine
         for name, s in self.sliders.items():
-            if name in cfg and name not in self._pending and not s.isSliderDown():
+            if name in cfg and name not in skip and not s.isSliderDown():
                 step = int(s.property("step"))
                 value = int(cfg[name])
                 s.blockSignals(True)
@@ -135,10 +143,12 @@ class ControlsPanel(QGroupBox):
                 self.values[name].setText(str(value))
         if "enable_prefix_caching" in cfg:
             self.prefix.setChecked(bool(cfg["enable_prefix_caching"]))
-        if "long_prefill_chunk" not in self._pending:
-            self.auto_chunk.setChecked(bool(cfg.get("long_prefill_chunk_default", False)))
+        if "long_prefill_chunk" not in skip:
+            self.auto_chunk.setChecked(default_chunk)
 
     def show_result(self, text: str, error: bool = False) -> None:
+        if error:  # a refused change: the next config shows what the engine runs
+            self._pending_default_chunk = False
         colour = "#ff8a80" if error else theme.MUTED
         self.status.setStyleSheet(f"color: {colour}; font-size: 8pt;")
         self.status.setText(text)

@@ -80,7 +80,7 @@ def test_eager_is_the_api_default_and_builds_nothing(monkeypatch):
 
 def test_models_it_cannot_serve_decode_eagerly_with_the_reason_logged(monkeypatch, caplog):
     monkeypatch.setattr(fused_build, "load_extension", _nothing_built)
-    caplog.set_level(logging.WARNING, logger="engine_proc.executor.fused_decode")
+    caplog.set_level(logging.WARNING, logger="engine_proc.executor.fused_lifecycle")
     dense = LLMEngine(EngineConfig(num_kv_blocks=64, decode_step="fused"),
                       checkpoint=snapped_checkpoint())  # fmt: skip
     assert dense.runner.fused.state == "eager"
@@ -96,7 +96,7 @@ def test_a_failed_build_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(fused_build, "load_extension", no_compiler)
-    caplog.set_level(logging.WARNING, logger="engine_proc.executor.fused_decode")
+    caplog.set_level(logging.WARNING, logger="engine_proc.executor.fused_lifecycle")
     engine = _engine("fused")
     assert engine.runner.fused.state == "eager"
     assert engine.runner.fused.detail == "the build failed: no C++ compiler"  # the window's

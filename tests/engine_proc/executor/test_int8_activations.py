@@ -12,8 +12,12 @@ import pytest
 
 from engine_proc import EngineConfig, SamplingParams
 from engine_proc.config import add_kernel_arguments, kernel_options
+from engine_proc.executor import fused_decode as fd
 from tests.engine_proc.executor.test_fused_decode import _engine, q8_head_checkpoint
-from tests.engine_proc.models.test_int4 import check_greedy_decoding_against_reference
+from tests.engine_proc.models.test_int4 import (
+    check_greedy_decoding_against_reference,
+    snapped_checkpoint,
+)
 from ui.window.decode_status import decode_status_text
 
 
@@ -37,8 +41,9 @@ def test_the_status_bar_names_the_arithmetic():
             == "decode: fused (AVX2 int4 x 8-bit activations)")  # fmt: skip
 
 
-def _int8_engine(**config):
-    engine = _engine("fused", checkpoint=q8_head_checkpoint(), decode_activations="int8", **config)
+def _int8_engine(checkpoint=None, **config):
+    checkpoint = checkpoint or q8_head_checkpoint()
+    engine = _engine("fused", checkpoint=checkpoint, decode_activations="int8", **config)
     step = engine.runner.fused.step
     assert step is not None
     if not step.int8_activations:
@@ -59,12 +64,17 @@ def test_every_step_follows_the_float64_reference_of_8bit_activations(extension)
     assert engine.runner.num_fused_steps == 2 * 7
 
 
-def _run(engine, prompts, params) -> list[tuple[list[int], list[float]]]:
-    """Each request's tokens and their logprobs (the raw logits' log-softmax)."""
+def _run(engine, prompts, params, late: list[int] | None = None):
+    """Each request's tokens and their logprobs (the raw logits' log-softmax); ``late``: a long
+    prompt that arrives after two steps, so later steps mix its chunks with the others' rows."""
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, p)
     got: dict[str, tuple[list[int], list[float]]] = {}
+    steps = 0
     while engine.has_unfinished_requests():
+        if late is not None and steps == 2:
+            engine.add_request("late", late, SamplingParams(max_tokens=4, ignore_eos=True))
+        steps += 1
         for out in engine.step():
             tokens, logprobs = got.setdefault(out.request_id, ([], []))
             tokens[:] = out.token_ids
@@ -73,22 +83,31 @@ def _run(engine, prompts, params) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.slow
-def test_speculative_decoding_keeps_the_tokens_and_logits(extension):
+@pytest.mark.parametrize("head", ["q8", "bf16"])
+def test_speculative_decoding_keeps_the_tokens_and_logits(extension, head):
     """N-gram drafts verified as rows of the fused step: the same 8-bit arithmetic as a decode
     row, so the tokens equal the engine's without speculation and so do their logprobs (which
-    the exact products would move by about a tenth), drafts accepted and rejected."""
+    the exact products would move by about a tenth), drafts accepted and rejected; also while
+    a long prompt's chunks (more than the fused step takes as rows) share the steps, and with
+    an output projection that is not 8-bit (its bf16 copy, every row by one kernel)."""
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
             "prompt_lookup_min": 1, "disable_by_batch_size": 0}  # fmt: skip
-    plain, fast = _int8_engine(), _int8_engine(speculative_config=spec)
+    ck = q8_head_checkpoint if head == "q8" else snapped_checkpoint
+    plain, fast = _int8_engine(ck()), _int8_engine(ck(), speculative_config=spec)
+    assert fast.runner.fused.step.wide_head_kind == head
     # three tokens allowed: the context still picks among them, so drafts are right sometimes
     alphabet = {10: 100.0, 11: 100.0, 12: 100.0}
     prompts = [[10, 11, 12, 10, 10] * 4, list(range(30, 50)) + [10, 11, 12, 11] * 3, [7, 8, 9] * 6]
     kw = {"max_tokens": 30, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     params = [SamplingParams(logit_bias=alphabet, **kw), SamplingParams(logit_bias=alphabet, **kw),
               SamplingParams(**kw)]  # fmt: skip
+    late = [(5 * i) % 97 + 3 for i in range(200)]
+    assert len(late) > fast.runner.fused.step.max_prompt_tokens
+    prompt_rows = fast.runner.num_fused_prompt_steps
     for together in (True, False):
         if together:
-            want, got = _run(plain, prompts, params), _run(fast, prompts, params)
+            want = _run(plain, prompts, params, late)
+            got = _run(fast, prompts, params, late)
         else:
             want = [_run(plain, [p], [s])[0] for p, s in zip(prompts, params, strict=True)]
             got = [_run(fast, [p], [s])[0] for p, s in zip(prompts, params, strict=True)]
@@ -98,5 +117,23 @@ def test_speculative_decoding_keeps_the_tokens_and_logits(extension):
     counters = fast.stats.spec_decode
     assert counters.num_accepted_tokens > 0
     assert counters.num_accepted_tokens < counters.num_draft_tokens  # some were rejected
-    assert fast.runner.num_fused_prompt_steps > 0  # the verified rows ran fused
+    # verification passes ran as fused rows: more of them than the plain engine's prompt rows
+    assert fast.runner.num_fused_prompt_steps - prompt_rows > plain.runner.num_fused_prompt_steps
     assert fast.kv.pool.num_free == fast.num_blocks
+
+
+@pytest.mark.slow
+def test_our_kernels_only(extension, caplog):
+    """Where torch's 4-bit kernel runs (our kernels cannot read the model), the step keeps
+    float32 activations and says so."""
+    engine = _int8_engine()
+    step = fd.FusedDecodeStep.create(engine.model, extension, "torch", activations="int8")
+    assert not step.int8_activations and step.precise_rows == fd.PRECISE_ROWS
+    assert "decode_activations='int8' needs our 4-bit kernels" in caplog.text
+
+
+def test_without_the_fused_step_the_log_says_int8_does_nothing(caplog):
+    engine = _engine("eager", decode_activations="int8")
+    assert engine.runner.fused.state == "eager"
+    assert "decode_activations='int8' is the fused CPU decode step's" in caplog.text
+    assert "decode_step='eager'" in caplog.text

@@ -215,7 +215,7 @@ def test_auto_decode_weights_fall_back_to_dense_with_the_reason_logged(caplog):
 def test_auto_decode_weights_quantize_each_expert_where_they_can(caplog):
     """The app's CPU defaults (auto weights, fused step): 4-bit experts, decoded eagerly with
     the fused step's refusal logged."""
-    caplog.set_level(logging.WARNING, logger="engine_proc.executor.fused_decode")
+    caplog.set_level(logging.WARNING, logger="engine_proc.executor.fused_lifecycle")
     path = tiny_moe_gguf_file("mixtral", intermediate_size=64)
     engine = LLMEngine(EngineConfig(model=str(path), decode_weights="auto", decode_step="fused",
                                     num_kv_blocks=32))  # fmt: skip
