@@ -3,8 +3,12 @@ gets its documented error while a good client is served), abort floods, oversize
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import msgspec
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -148,6 +152,19 @@ class _Background:
         assert self.stream.token_ids == self.expected
 
 
+@contextlib.contextmanager
+def _raw_beside_a_good_client(engine, reference) -> Iterator[zmq.Socket]:
+    """A raw DEALER for the abuse while a _Background client streams; that client's reply is
+    checked once the socket is closed."""
+    bg = _Background(engine.endpoint, reference)
+    d = raw_dealer(engine.endpoint)
+    try:
+        yield d
+    finally:
+        d.close()
+    bg.check()
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     frames=st.lists(
@@ -174,37 +191,25 @@ def test_fuzz_every_bad_message_gets_its_documented_error(
 
 
 def test_fuzz_run_with_a_concurrent_good_client(engine, reference) -> None:
-    bg = _Background(engine.endpoint, reference)
-    test_fuzz_every_bad_message_gets_its_documented_error(engine)
-    # Multi-frame messages are refused too.
-    d = raw_dealer(engine.endpoint)
-    try:
+    with _raw_beside_a_good_client(engine, reference) as d:
+        test_fuzz_every_bad_message_gets_its_documented_error(engine)
+        # Multi-frame messages are refused too.
         d.send_multipart([P.encode(P.Heartbeat()), b"extra"])
         assert recv_msg(d).code == P.ERR_BAD_MESSAGE
-    finally:
-        d.close()
-    bg.check()
 
 
 def test_abort_flood_for_unknown_ids(engine, reference) -> None:
-    bg = _Background(engine.endpoint, reference)
-    d = raw_dealer(engine.endpoint)
-    try:
+    with _raw_beside_a_good_client(engine, reference) as d:
         n = 1000
         for i in range(n):
             d.send(P.encode(P.Abort(request_id=f"ghost-{i}")))
         got = [recv_msg(d, timeout=30) for _ in range(n)]
         assert all(isinstance(m, P.Error) and m.code == P.ERR_UNKNOWN_REQUEST for m in got)
         assert sorted(m.request_id for m in got) == sorted(f"ghost-{i}" for i in range(n))
-    finally:
-        d.close()
-    bg.check()
 
 
 def test_oversize_frame_is_dropped_and_engine_keeps_serving(engine, reference) -> None:
-    bg = _Background(engine.endpoint, reference)
-    d = raw_dealer(engine.endpoint)
-    try:
+    with _raw_beside_a_good_client(engine, reference) as d:
         d.send(b"\x81" + b"x" * (P.MAX_CLIENT_MESSAGE_BYTES + 10))
         # ZMQ drops the frame and the connection; the DEALER reconnects by itself (a hello sent
         # while it does may be lost: send again until one is answered). The oversize frame gets
@@ -214,8 +219,5 @@ def test_oversize_frame_is_dropped_and_engine_keeps_serving(engine, reference) -
             if d.poll(2000):
                 break
         assert isinstance(recv_msg(d), P.Welcome)
-    finally:
-        d.close()
-    bg.check()
 
 
