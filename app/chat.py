@@ -16,6 +16,7 @@ import threading
 from typing import IO, Any
 
 from app.supervisor import (
+    APP_DECODE_ACTIVATIONS,
     DECODE_ACTIVATIONS,
     DECODE_WEIGHTS,
     EngineOptions,
@@ -49,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="int4: 4-bit weight copies for decode on CPU (~2x faster replies); dense: the "
         "model's own precision; auto (default): int4 on a CPU, dense on a GPU",
     )
-    g.add_argument("--decode-activations", default=None, choices=DECODE_ACTIVATIONS,
-                   help="exact (default): replies are the 4-bit model's own; int8: 8-bit "
-                   "activations, llama.cpp's arithmetic, faster on AVX2 CPUs")
+    g.add_argument("--decode-activations", default=APP_DECODE_ACTIVATIONS,
+                   choices=DECODE_ACTIVATIONS,
+                   help="auto (default): int8 where our 4-bit kernels run, else exact; int8: "
+                   "8-bit activations, llama.cpp's arithmetic, 1.4-1.6x faster replies on AVX2 "
+                   "CPUs; exact: replies are the 4-bit model's own")
     g.add_argument(
         "--engine-args", default="", help='more `serve` options, e.g. "--num-blocks 512"'
     )

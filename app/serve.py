@@ -27,6 +27,7 @@ from app.api.settings import ServerSettings, is_loopback_host
 from app.api.tools import ALIASES, FAMILIES
 from app.router.deployment import DisaggKeeper, DisaggLink
 from app.supervisor import (
+    APP_DECODE_ACTIVATIONS,
     DECODE_ACTIVATIONS,
     DECODE_WEIGHTS,
     DTYPES,
@@ -84,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DECODE_WEIGHTS,
         help="auto (default): 4-bit decode weights on a CPU, dense on a GPU",
     )
-    e.add_argument("--decode-activations", default=None, choices=DECODE_ACTIVATIONS,
-                   help="exact (default): replies are the 4-bit model's own; int8: 8-bit "
-                   "activations, llama.cpp's arithmetic, faster on AVX2 CPUs")
+    e.add_argument("--decode-activations", default=APP_DECODE_ACTIVATIONS,
+                   choices=DECODE_ACTIVATIONS,
+                   help="auto (default): int8 where our 4-bit kernels run, else exact; int8: "
+                   "8-bit activations, llama.cpp's arithmetic, 1.4-1.6x faster replies on AVX2 "
+                   "CPUs; exact: replies are the 4-bit model's own")
     e.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES)
     e.add_argument("--kv-host-memory", type=int, default=None, help="host KV tier, bytes")
     e.add_argument("--kv-disk-dir", default=None, help="disk KV tier directory (persists)")

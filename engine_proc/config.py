@@ -10,7 +10,7 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_BACKENDS = ("auto", "torch", "triton")
 SUPPORTED_DECODE_WEIGHTS = ("dense", "int4", "auto")
 SUPPORTED_DECODE_STEPS = ("eager", "fused", "auto")
-SUPPORTED_DECODE_ACTIVATIONS = ("exact", "int8")
+SUPPORTED_DECODE_ACTIVATIONS = ("exact", "int8", "auto")
 SUPPORTED_KV_TIER_POLICIES = ("write_back", "write_through")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")
 DEFAULT_PREFILL_CHUNK = 512  # long_prefill_chunk=None while other requests run or wait
@@ -141,7 +141,10 @@ class EngineConfig:
     # with those weights; wider steps take 8-bit activations in some products. "int8": every
     # step quantizes activations to 8 bits per group of 32 in all four products and the 8-bit
     # output projection, llama.cpp's Q4 x Q8 arithmetic (faster where a CPU lacks bfloat16 dot
-    # products; replies drift from the exact ones after some tokens, as llama.cpp's do).
+    # products; replies drift from the exact ones after some tokens, as llama.cpp's do). "auto":
+    # int8 where our 4-bit kernels run the fused step, else exact, without a word (the app's
+    # default: as close to the float32 model as llama.cpp is, measured by
+    # `python -m engine_proc.bench.decode_quality`).
     decode_activations: str = "exact"
     seed: int = 0  # seeds requests that bring no seed of their own
     # Lower KV tiers (engine_proc/kv_store/tiers.py), off by default: bytes of host memory for
@@ -259,8 +262,9 @@ def add_kernel_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         "--decode-activations",
         default="exact",
         choices=SUPPORTED_DECODE_ACTIVATIONS,
-        help="the fused step's arithmetic: exact (float32 activations for one chat or a few) or "
-        "int8 (8-bit activations in every step, llama.cpp's arithmetic: faster on AVX2 CPUs)",
+        help="the fused step's arithmetic: exact (float32 activations for one chat or a few), "
+        "int8 (8-bit activations in every step, llama.cpp's arithmetic: faster on AVX2 CPUs) or "
+        "auto (int8 where our 4-bit kernels run, else exact)",
     )
 
 

@@ -229,7 +229,8 @@ class FusedDecodeStep:
         q8_activations: wide steps quantize the activations of the Q8_PRODUCTS to 8 bits
         (int4_q8_kernels.h), as llama.cpp does; False keeps the 4-bit kernel's products.
         activations: "int8" puts every step's four products on 8-bit activations where a
-        vector 8-bit kernel is compiled in (EngineConfig.decode_activations); "exact" as above."""
+        vector 8-bit kernel is compiled in (EngineConfig.decode_activations), and says so where
+        none is; "auto" does the same silently; "exact" as above."""
         c = model.config
         kernel = int4_kernel or pick_int4_kernel(model, module)
         if kernel not in INT4_KERNELS:
@@ -242,7 +243,7 @@ class FusedDecodeStep:
         q8_kernel = Q8_KERNELS[module.best_q8_kernel()]
         q8_products = Q8_PRODUCTS.get((kernel, q8_kernel), ()) if q8_activations else ()
         ours = kernel in ("avx2_fp32", "avx512_bf16")  # (their strips fit the model's shapes)
-        int8 = activations == "int8" and ours and q8_kernel != "portable"
+        int8 = activations in ("int8", "auto") and ours and q8_kernel != "portable"
         if activations == "int8" and not int8:
             logger.warning("decode_activations='int8' needs our 4-bit kernels (AVX2, torch's "
                            "packed layout, outputs in multiples of 64); here the %s kernel runs "
@@ -264,8 +265,9 @@ class FusedDecodeStep:
             [layer.kv_group for layer in model.layers], [layer.kv_slot for layer in model.layers],
         )  # fmt: skip
         logger.info(
-            "fused decode step: 4-bit products by the %s kernel, wide steps' %s on 8-bit "
-            "activations (%s)", kernel, ", ".join(q8_products) or "none", q8_kernel,
+            "fused decode step: 4-bit products by the %s kernel, %s %s on 8-bit activations (%s)",
+            kernel, "every step's" if int8 else "wide steps'", ", ".join(q8_products) or "none",
+            q8_kernel,
         )  # fmt: skip
         prompt_tokens = FUSED_PROMPT_TOKENS if kernel in ("avx512_bf16", "avx2_fp32") else 0
         return cls(model, module, decoder, kernel, q8_products=q8_products, q8_kernel=q8_kernel,

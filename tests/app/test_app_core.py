@@ -184,8 +184,11 @@ def test_decode_activations_reach_the_engines_of_serve_and_chat():
 
     args = engine_options(build_parser().parse_args(["--decode-activations", "int8"])).to_args()
     assert args[args.index("--decode-activations") + 1] == "int8"
-    assert "--decode-activations" not in engine_options(build_parser().parse_args([])).to_args()
+    # the apps' default: llama.cpp's arithmetic where our kernels run it, else exact
+    args = engine_options(build_parser().parse_args([])).to_args()
+    assert args[args.index("--decode-activations") + 1] == "auto"
     assert chat_parser().parse_args(["--decode-activations", "int8"]).decode_activations == "int8"
+    assert chat_parser().parse_args([]).decode_activations == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--decode-activations", "int4"])
 

@@ -11,7 +11,12 @@ from pathlib import Path
 from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QMenu
 
-from app.supervisor import KV_CACHE_DTYPES, KV_DISK_SUBDIR, SPECULATIVE_TOKEN_CHOICES
+from app.supervisor import (
+    APP_DECODE_ACTIVATIONS,
+    KV_CACHE_DTYPES,
+    KV_DISK_SUBDIR,
+    SPECULATIVE_TOKEN_CHOICES,
+)
 from ui.units import short_bytes
 from ui.window.host import WindowHost
 
@@ -25,6 +30,9 @@ DECODE_WEIGHT_CHOICES = (
 )
 # the second group of *Decode weights*: the fused step's arithmetic (decode_activations)
 DECODE_ACTIVATION_CHOICES = (
+    ("auto", "Automatic (8-bit where llama.cpp's arithmetic runs)",
+     "what the app starts with: 8-bit activations where our 4-bit kernels run (AVX2, AVX-512), "
+     "exact arithmetic elsewhere; as close to the full-precision model as llama.cpp is"),
     ("exact", "Exact arithmetic",
      "float32 activations for one reply or a few: replies are the 4-bit model's own"),
     ("int8", "8-bit activations (llama.cpp's arithmetic, faster)",
@@ -99,8 +107,9 @@ class EngineOptionMenus:
         weights.addSeparator()
         self.activation_actions = self._radio_group(weights, DECODE_ACTIVATION_CHOICES,
                                                     self.set_decode_activations)  # fmt: skip
-        choice = w.source.options.decode_activations or "exact"
-        self.activation_actions.get(choice, self.activation_actions["exact"]).setChecked(True)
+        choice = w.source.options.decode_activations or APP_DECODE_ACTIVATIONS
+        arithmetic = self.activation_actions
+        arithmetic.get(choice, arithmetic[APP_DECODE_ACTIVATIONS]).setChecked(True)
         return weights, actions  # type: ignore[return-value]
 
     def _radio_group(
@@ -135,7 +144,7 @@ class EngineOptionMenus:
     def set_decode_activations(self, value: str) -> None:
         if value not in self.activation_actions:
             raise ValueError(f"decode activations must be one of {list(self.activation_actions)}")
-        if value == (self.w.source.options.decode_activations or "exact"):
+        if value == (self.w.source.options.decode_activations or APP_DECODE_ACTIVATIONS):
             self.sync_option_menus()
             return
         self.change_options("the decode arithmetic", {"decode_activations": value},
@@ -319,7 +328,8 @@ class EngineOptionMenus:
         if actions:
             current = w.source.options.decode_weights or "dense"
             actions.get(current, actions["dense"]).setChecked(True)
-        activation = self.activation_actions.get(w.source.options.decode_activations or "exact")
+        choice = w.source.options.decode_activations or APP_DECODE_ACTIVATIONS
+        activation = self.activation_actions.get(choice)
         if activation is not None:
             activation.setChecked(True)
         spec = getattr(self, "spec_actions", {}).get(w.source.options.speculative_tokens or 0)

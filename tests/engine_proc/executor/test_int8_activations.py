@@ -22,8 +22,8 @@ from ui.window.decode_status import decode_status_text
 
 
 def test_an_engine_option_and_a_flag_that_name_the_allowed_values():
-    with pytest.raises(ValueError, match=r"decode_activations must be one of \('exact', 'int8'\), "
-                                         r"got 'fp8'"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"decode_activations must be one of \('exact', 'int8', "
+                                         r"'auto'\), got 'fp8'"):  # fmt: skip
         EngineConfig(decode_activations="fp8")
     assert EngineConfig().decode_activations == "exact"
     parser = argparse.ArgumentParser()
@@ -31,6 +31,8 @@ def test_an_engine_option_and_a_flag_that_name_the_allowed_values():
     assert kernel_options(parser.parse_args([]))["decode_activations"] == "exact"
     args = parser.parse_args(["--decode-activations", "int8"])
     assert kernel_options(args)["decode_activations"] == "int8"
+    args = parser.parse_args(["--decode-activations", "auto"])
+    assert kernel_options(args)["decode_activations"] == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--decode-activations", "q4"])
 
@@ -130,6 +132,27 @@ def test_our_kernels_only(extension, caplog):
     step = fd.FusedDecodeStep.create(engine.model, extension, "torch", activations="int8")
     assert not step.int8_activations and step.precise_rows == fd.PRECISE_ROWS
     assert "decode_activations='int8' needs our 4-bit kernels" in caplog.text
+
+
+@pytest.mark.slow
+def test_auto_is_int8_on_our_kernels_and_exact_elsewhere_without_a_word(extension, caplog):
+    """"auto" (the apps' default): the int8 step where our kernels run, replies token for token
+    the int8 engine's; torch's kernel and an eager engine keep float32 activations, silently."""
+    int8 = _int8_engine()
+    auto = _engine("fused", checkpoint=q8_head_checkpoint(), decode_activations="auto")
+    step = auto.runner.fused.step
+    assert step.int8_activations and step.precise_rows == 0
+    assert auto.runner.fused.detail.endswith("+int8")
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    prompts = [[1, 5, 9, 14], [2, 7]]
+    got, want = auto.generate(prompts, params), int8.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    caplog.clear()
+    torch_step = fd.FusedDecodeStep.create(auto.model, extension, "torch", activations="auto")
+    assert not torch_step.int8_activations and torch_step.precise_rows == fd.PRECISE_ROWS
+    eager = _engine("eager", decode_activations="auto")
+    assert eager.runner.fused.state == "eager"
+    assert "decode_activations" not in caplog.text
 
 
 def test_without_the_fused_step_the_log_says_int8_does_nothing(caplog):

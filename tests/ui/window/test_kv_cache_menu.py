@@ -166,15 +166,17 @@ def test_decode_weights_share_the_restart_flow(spawned):
 def test_decode_activations_share_it_and_are_remembered(spawned, tmp_path):
     w = spawned
     actions = w.option_menus.activation_actions
-    assert actions["exact"].isChecked() and not actions["int8"].isChecked()
+    # the apps' default: 8-bit where our kernels run (APP_DECODE_ACTIVATIONS)
+    assert actions["auto"].isChecked() and not actions["int8"].isChecked()
     restarts = len(w.restarts)
-    actions["exact"].trigger()  # what runs already: no restart
+    actions["auto"].trigger()  # what runs already: no restart
     assert len(w.restarts) == restarts
     actions["int8"].trigger()
     assert _flag(w.restarts[-1], "--decode-activations") == "int8"
     assert w.settings.value("engine/decode_activations") == "int8"
     assert actions["int8"].isChecked()
-    with pytest.raises(ValueError, match=r"decode activations must be one of \['exact', 'int8'\]"):
+    with pytest.raises(ValueError, match=r"decode activations must be one of \['auto', 'exact', "
+                                         r"'int8'\]"):  # fmt: skip
         w.option_menus.set_decode_activations("int4")
     # the next start takes the remembered choice; the command line wins; a stale value is dropped
     parse = app_main.build_parser().parse_args
@@ -183,7 +185,9 @@ def test_decode_activations_share_it_and_are_remembered(spawned, tmp_path):
     opts = app_main._engine_options(parse(["--decode-activations", "exact"]), settings, tmp_path)
     assert opts.decode_activations == "exact"
     stale = DictSettings({"engine/decode_activations": "fp4"})
-    assert app_main._engine_options(parse([]), stale, tmp_path).decode_activations is None
+    assert app_main._engine_options(parse([]), stale, tmp_path).decode_activations == "auto"
+    fresh = app_main._engine_options(parse([]), DictSettings({}), tmp_path)
+    assert fresh.to_args()[fresh.to_args().index("--decode-activations") + 1] == "auto"
     assert "--decode-activations" not in EngineOptions().to_args()
 
 
