@@ -178,9 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode weights of the engine processes the kvscope-zmq/-http and "
                     "disaggregation runs spawn (auto: the app's CPU default, 4-bit weights and "
                     "the fused decode step)")
-    ap.add_argument("--engine-decode-activations", default="exact", choices=("exact", "int8"),
+    ap.add_argument("--engine-decode-activations", default="auto",
+                    choices=("auto", "exact", "int8"),
                     help="the fused decode step's arithmetic in every KVScope engine of the run "
-                    "(kvscope-int8 runs int8 beside kvscope in the streams workloads anyway)")
+                    "(auto, the app's: int8 where our 4-bit kernels run; kvscope-exact runs exact "
+                    "beside kvscope in the streams workloads anyway)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")
     ap.add_argument("--draft-model", default=None,
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     wl_defs, wl_paths = {}, {}
     for w in workloads:
         wl_defs[w] = make_workload(w, sizes, args.seed, vocab, args.draft_model)
-        if args.engine_decode_activations != "exact":  # every KVScope engine of the run
+        if args.engine_decode_activations != "auto":  # every KVScope engine of the run
             wl_defs[w]["engine"]["decode_activations"] = args.engine_decode_activations
         wl_paths[w] = out / "workloads" / f"{w}.json"
         wl_paths[w].write_text(json.dumps(wl_defs[w]))
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
               f"over baseline (for latencies: baseline over kvscope; streaming: kvscope-http "
               f"over kvscope-zmq; KV tiers: the tier system against recomputing; int8 KV: "
               f"kvscope-kvint8 over the model-dtype KV), medians over repeats")
-    if args.engine_decode_activations != "exact":  # (every KVScope engine of the run)
+    if args.engine_decode_activations != "auto":  # (every KVScope engine of the run)
         header += (f"; every KVScope engine with --decode-activations "
                    f"{args.engine_decode_activations}, kvscope's columns included")
     text = [header]

@@ -139,10 +139,10 @@ class StreamsRow:
     vs_hf: float | None
     target: str = ""
     passed: bool | None = None
-    # kvscope-int8: decode_activations="int8" (llama.cpp's Q4 x Q8 arithmetic)
-    int8: float | None = None
-    int8_vs_llamacpp: float | None = None
-    int8_passed: bool | None = None
+    # kvscope-exact: decode_activations="exact" (float32 activations) beside kvscope's "auto"
+    exact: float | None = None
+    exact_vs_llamacpp: float | None = None
+    exact_passed: bool | None = None
 
 
 def build_streams_rows(summary: dict[str, dict[str, dict]]) -> list[StreamsRow]:
@@ -152,30 +152,31 @@ def build_streams_rows(summary: dict[str, dict[str, dict]]) -> list[StreamsRow]:
         n = streams_level(w)
         assert n is not None
         tok_s = {system: summary[w].get(system, {}).get("decode_tok_s")
-                 for system in ("kvscope", "llamacpp", "hf", "kvscope-int8")}
+                 for system in ("kvscope", "llamacpp", "hf", "kvscope-exact")}
         vs_llamacpp = ratio(tok_s["kvscope"], tok_s["llamacpp"])
-        int8_vs = ratio(tok_s["kvscope-int8"], tok_s["llamacpp"])
+        exact_vs = ratio(tok_s["kvscope-exact"], tok_s["llamacpp"])
         row = StreamsRow(n, tok_s["kvscope"], tok_s["llamacpp"], tok_s["hf"], vs_llamacpp,
-                         ratio(tok_s["kvscope"], tok_s["hf"]), int8=tok_s["kvscope-int8"],
-                         int8_vs_llamacpp=int8_vs)  # fmt: skip
+                         ratio(tok_s["kvscope"], tok_s["hf"]), exact=tok_s["kvscope-exact"],
+                         exact_vs_llamacpp=exact_vs)  # fmt: skip
         if n in STREAMS_TARGETS:
             bound, note = STREAMS_TARGETS[n]
             row.target = f">= {bound:g}x llama.cpp" + (f" ({note})" if note else "")
             row.passed = check(vs_llamacpp, ">=", bound)
-            row.int8_passed = check(int8_vs, ">=", bound)
+            row.exact_passed = check(exact_vs, ">=", bound)
         rows.append(row)
     return rows
 
 
 def format_streams_table(rows: list[StreamsRow]) -> str:
-    """kvscope's columns (the exact arithmetic), then kvscope-int8's where it ran."""
-    int8 = any(r.int8 is not None for r in rows)
+    """kvscope's columns (the app's arithmetic), then kvscope-exact's where it ran."""
+    exact = any(r.exact is not None for r in rows)
     head = ("streams", "kvscope tok/s", "llama.cpp tok/s", "transformers tok/s",
             "vs llama.cpp", "vs transformers", "target", "",
-            *(("int8 tok/s", "int8 vs llama.cpp", "") if int8 else ()))
+            *(("exact tok/s", "exact vs llama.cpp", "") if exact else ()))
     body = [(str(r.streams), _fmt(r.kvscope), _fmt(r.llamacpp), _fmt(r.hf), _times(r.vs_llamacpp),
              _times(r.vs_hf), r.target, _verdict(r.passed),
-             *((_fmt(r.int8), _times(r.int8_vs_llamacpp), _verdict(r.int8_passed)) if int8 else ()))
+             *((_fmt(r.exact), _times(r.exact_vs_llamacpp), _verdict(r.exact_passed))
+               if exact else ()))
             for r in rows]  # fmt: skip
     return _columns(head, body)
 

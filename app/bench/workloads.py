@@ -37,8 +37,9 @@ WORKLOAD_SYSTEMS = {
     "interference": ("kvscope", "kvscope-nochunk"),
     # The engine process behind its two front-ends, driven by app.bench.clients.
     "streaming": ("kvscope-zmq", "kvscope-http"),
-    # kvscope-int8: the same engine on 8-bit activations (EngineConfig.decode_activations)
-    **{w: ("kvscope", "kvscope-int8", "hf", "llamacpp") for w in STREAMS_WORKLOADS},
+    # kvscope runs the app's arithmetic (STREAMS_DECODE_ACTIVATIONS), kvscope-exact the same
+    # engine on float32 activations (EngineConfig.decode_activations)
+    **{w: ("kvscope", "kvscope-exact", "hf", "llamacpp") for w in STREAMS_WORKLOADS},
     # KVScope configurations only (app/bench/kv_workloads.py).
     **KV_WORKLOAD_SYSTEMS,
     # Speculative decoding against none, and llama.cpp's own prompt lookup
@@ -48,6 +49,9 @@ WORKLOAD_SYSTEMS = {
 # kvscope's decode weights in the streams workloads: what the app runs on a CPU by default
 # (`auto`: 4-bit copies for steps of at most 16 tokens where supported, else dense).
 STREAMS_DECODE_WEIGHTS = "auto"
+# ...and its arithmetic: `auto`, 8-bit activations where our 4-bit kernels run (app.supervisor's
+# APP_DECODE_ACTIVATIONS)
+STREAMS_DECODE_ACTIVATIONS = "auto"
 # ...and the decode step the app uses with them (engine_proc/executor/fused_decode.py; built once,
 # cached)
 STREAMS_DECODE_STEP = "fused"
@@ -228,8 +232,10 @@ def make_workload(name: str, sizes: Sizes, seed: int, vocab: Vocab,
         rng = random.Random(f"{seed}:streams")  # streams-4's prompts begin streams-16's
         reqs = [_request(f"s{i}", vocab.draw(rng, s.streams_len), s.streams_new, arrival_s=0.0)
                 for i in range(n)]
-        engine = {"decode_weights": STREAMS_DECODE_WEIGHTS, "decode_step": STREAMS_DECODE_STEP}
-        meta.update(streams=n, decode_weights=STREAMS_DECODE_WEIGHTS)
+        engine = {"decode_weights": STREAMS_DECODE_WEIGHTS, "decode_step": STREAMS_DECODE_STEP,
+                  "decode_activations": STREAMS_DECODE_ACTIVATIONS}
+        meta.update(streams=n, decode_weights=STREAMS_DECODE_WEIGHTS,
+                    decode_activations=STREAMS_DECODE_ACTIVATIONS)
         hf_batch = n  # transformers serves all N in one static batch (no padding: same length)
     elif name in KV_BUILDERS:
         reqs, engine, meta = KV_BUILDERS[name](s, rng, vocab)

@@ -2,7 +2,7 @@
 
 Systems (each a KVScope configuration):
 - kvscope: the engine as configured by the workload; kvscope-int4: 4-bit decode weights;
-  kvscope-int8: the workload's engine with decode_activations="int8";
+  kvscope-int8 / kvscope-exact: the workload's engine with decode_activations "int8" / "exact";
   kvscope-nocache: prefix caching off; kvscope-nochunk: long_prefill_chunk 0 and a token budget
   that holds the longest prompt.
 - kvscope-recompute: no lower KV tiers (what an evicted prefix costs without them);
@@ -50,7 +50,8 @@ from engine_proc.bench.serve import Occupancy, drop_page_cache, serve
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("kvscope", "kvscope-int4", "kvscope-int8", "kvscope-nocache", "kvscope-nochunk",
+SYSTEMS = ("kvscope", "kvscope-int4", "kvscope-int8", "kvscope-exact", "kvscope-nocache",
+           "kvscope-nochunk",
            "kvscope-recompute", "kvscope-host", "kvscope-disk", "kvscope-kvint8", "kvscope-spec")
 TIER_SYSTEMS = ("kvscope-host", "kvscope-disk")
 # Room per block beyond its K/V bytes in a tier (a disk entry's header, an entry's scales).
@@ -135,6 +136,8 @@ def engine_config_for(system: str, workload: dict, args: argparse.Namespace,
         kw["decode_weights"] = "int4"
     elif system == "kvscope-int8":  # the fused step on 8-bit activations, llama.cpp's arithmetic
         kw["decode_activations"] = "int8"
+    elif system == "kvscope-exact":  # the fused step on float32 activations (the engine's default)
+        kw["decode_activations"] = "exact"
     elif system == "kvscope-nocache":
         kw["enable_prefix_caching"] = False
     elif system == "kvscope-nochunk":

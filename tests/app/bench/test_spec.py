@@ -70,7 +70,8 @@ def test_one_stream_serves_each_kind_in_turn_greedy_with_the_real_ids() -> None:
                and r["ignore_eos"] is False for r in w["requests"])
     assert w["meta"]["speculative_config"] == NGRAM_CONFIG
     assert w["meta"]["lookup"] == {"max_ngram_size": 4, "num_pred_tokens": 4}
-    assert w["engine"] == {"decode_weights": "auto", "decode_step": "fused"}
+    assert w["engine"] == {"decode_weights": "auto", "decode_step": "fused",
+                           "decode_activations": "auto"}  # fmt: skip
 
 
 def test_sixteen_streams_at_once_and_the_draft_model_path() -> None:

@@ -110,14 +110,14 @@ def test_streams_rows_have_both_ratios_and_the_issue_targets() -> None:
     # Other workloads' rows do not see the streams workloads, and vice versa.
     assert not any(r.section.startswith("streams") for r in build_rows(summary, None))
     assert build_streams_rows({"single": summary["single"]}) == []
-    assert one.int8 is None and "int8" not in lines[0]  # kvscope-int8 did not run
+    assert one.exact is None and "exact" not in lines[0]  # kvscope-exact did not run
 
-    # kvscope-int8 (8-bit activations): its own columns and verdict against the same target
-    summary["streams-1"]["kvscope-int8"] = {"decode_tok_s": 31.0}
+    # kvscope-exact (float32 activations): its own columns and verdict against the same target
+    summary["streams-1"]["kvscope-exact"] = {"decode_tok_s": 31.0}
     one = build_streams_rows(summary)[0]
-    assert one.int8_vs_llamacpp == pytest.approx(1.24) and one.int8_passed is True
-    assert one.passed is False  # the exact arithmetic's verdict is its own
+    assert one.exact_vs_llamacpp == pytest.approx(1.24) and one.exact_passed is True
+    assert one.passed is False  # the app's arithmetic's verdict is its own
     lines = format_streams_table(build_streams_rows(summary)).splitlines()
-    assert "int8 tok/s" in lines[0] and "int8 vs llama.cpp" in lines[0]
+    assert "exact tok/s" in lines[0] and "exact vs llama.cpp" in lines[0]
     assert lines[2].split()[-3:] == ["31.00", "1.24x", "PASS"]
-    assert lines[3].split()[-2:] == ["-", "-"]  # 4 streams: kvscope-int8 not measured
+    assert lines[3].split()[-2:] == ["-", "-"]  # 4 streams: kvscope-exact not measured

@@ -89,9 +89,12 @@ def test_streams_workloads_are_n_identical_greedy_streams(sizes) -> None:
         assert all(r["max_tokens"] == sizes.streams_new for r in reqs)
         assert all("temperature" not in r for r in reqs)  # greedy
         assert len({tuple(r["prompt"]) for r in reqs}) == n
-        # kvscope's CPU defaults, said so: 4-bit decode weights, the fused C++ decode step
-        assert w["engine"] == {"decode_weights": "auto", "decode_step": "fused"}
-        assert WORKLOAD_SYSTEMS[w["name"]] == ("kvscope", "kvscope-int8", "hf", "llamacpp")
+        # the app's CPU defaults, said so: 4-bit decode weights, the fused C++ decode step, its
+        # 8-bit arithmetic where our kernels run
+        assert w["engine"] == {"decode_weights": "auto", "decode_step": "fused",
+                               "decode_activations": "auto"}  # fmt: skip
+        assert w["meta"]["decode_activations"] == "auto"
+        assert WORKLOAD_SYSTEMS[w["name"]] == ("kvscope", "kvscope-exact", "hf", "llamacpp")
         prompts.append([r["prompt"] for r in reqs])
     for small, large in zip(prompts, prompts[1:], strict=False):
         assert large[: len(small)] == small  # every level serves the smaller levels' prompts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine_proc.spec_decode.ngram import NgramProposer
+from engine_proc.spec_decode.ngram import SHORT_MATCH, NgramProposer
 
 
 def brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -14,7 +14,8 @@ def brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                short = n <= SHORT_MATCH and n_max > SHORT_MATCH
+                return tokens[start + n : start + n + (1 if short else k)]
     return []
 
 
@@ -34,7 +35,20 @@ def test_prefers_the_longest_suffix_then_the_latest_occurrence() -> None:
     p = NgramProposer(3, 3, 1)
     # "1 2 3" occurs once (followed by 7 8 9); "3" alone occurs later (followed by 5)
     assert p.propose([1, 2, 3, 7, 8, 9, 3, 5, 1, 2, 3]) == [7, 8, 9]
-    assert p.propose([4, 3, 5, 6, 4, 3, 6, 6, 9, 3]) == [6, 6, 9]  # latest "3"
+    assert p.propose([4, 3, 5, 6, 4, 3, 6, 6, 9, 3]) == [6]  # latest "3" (a short match)
     assert p.propose([1, 2, 3, 4]) == []
     assert p.propose([1, 2, 3, 4], k=1) == []
     assert NgramProposer(4, 2, 2).propose([1, 2, 9, 1, 2], k=2) == [9, 1]
+
+
+def test_a_short_match_drafts_one_token_where_longer_ones_were_looked_for() -> None:
+    assert SHORT_MATCH == 2
+    p = NgramProposer(4, 4, 2)
+    # the suffix "5 1 2" occurs earlier: 3 tokens, all four drafts
+    assert p.propose([5, 1, 2, 7, 8, 9, 6, 5, 1, 2]) == [7, 8, 9, 6]
+    # only "1 2" occurs earlier: two tokens, one draft
+    assert p.propose([4, 1, 2, 7, 8, 9, 6, 5, 1, 2]) == [7]
+    assert NgramProposer(4, 4, 1).propose([7, 8, 9, 6, 2]) == []
+    assert NgramProposer(4, 4, 1).propose([2, 8, 9, 6, 2]) == [8]  # one token matched
+    # a proposer told to match two tokens at most keeps all its drafts
+    assert NgramProposer(4, 2, 2).propose([4, 1, 2, 7, 8, 9, 6, 5, 1, 2]) == [7, 8, 9, 6]
