@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING
 
 from app.load_generator import LoadConfig, LoadStats
 from app.load_generator import run as run_load
-from app.supervisor import EngineOptions, EngineSupervisor, engine_command, gui_engine_threads
+from app.supervisor import (
+    APP_DECODE_ACTIVATIONS,
+    EngineOptions,
+    EngineSupervisor,
+    engine_command,
+    gui_engine_threads,
+)
 
 if TYPE_CHECKING:
     from ipc.client import EngineClient
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = a.connect
     if endpoint is None:
         options = EngineOptions(num_threads=gui_engine_threads(), decode_weights="auto",
+                                decode_activations=APP_DECODE_ACTIVATIONS,
                                 extra_args=shlex.split(a.engine_args))
         log.info("starting the engine as the window does: %s",
                  " ".join(engine_command(options)))

@@ -141,9 +141,10 @@ def summarize_workload(name: str, runs: list[dict], workload: dict) -> dict:
             values = {(r.get("model_info") or {}).get(key) for r in ok} - {None}
             if values:
                 s[key] = ",".join(sorted(values))
-        steps = {r.get("decode_step") for r in ok} - {None}
-        if steps:
-            s["decode_step"] = ",".join(sorted(steps))
+        for key in ("decode_step", "decode_detail"):  # fused, and its kernel (+int8)
+            values = {r.get(key) for r in ok} - {None}
+            if values:
+                s[key] = ",".join(sorted(values))
     s.update(summarize_kv(name, ok, workload))
     s.update(summarize_spec(name, ok, workload))
     kv = [r["kv"] for r in ok if r.get("kv") and r["kv"].get("paged_token_occupancy")]

@@ -373,6 +373,11 @@ def _streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
     kv_types = sorted({s["kv_cache_dtype"] for w, by in summary.items()
                        if w.startswith("streams-") for s in by.values() if s.get("kv_cache_dtype")})
     kv = f", KV cache {'/'.join(kv_types)}" if kv_types else ""
+    # the fused step's kernel per system ("+int8": 8-bit activations in every step)
+    kernels = "; ".join(f"{system} {s['decode_detail']}" for system, s in sorted(
+        {sys: s for w, by in summary.items() if w.startswith("streams-")
+         for sys, s in by.items() if s.get("decode_detail")}.items()))  # fmt: skip
+    kv += f"; fused step: {kernels}" if kernels else ""
     used = "/".join(weights) if weights else "not measured"
     if "int4" in weights and "fused" in steps:  # engine_proc/executor/fused_decode.py
         used += (" with the fused C++ decode step (every decode step, up to 64 rows per call; "

@@ -277,6 +277,7 @@ def _measure(engine: Any, reqs: list, load_s: float,
             "model_info": engine.model_info(),
             # fused | building | eager (engine_proc/executor/fused_decode.py), and the steps it ran
             "decode_step": engine.runner.fused.state,
+            "decode_detail": engine.runner.fused.detail,  # its kernel, "+int8" on 8-bit activations
             "fused_steps": engine.runner.num_fused_steps,
             "requests": request_results(reqs, t0),
         }

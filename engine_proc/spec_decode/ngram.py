@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# A match this short is weak evidence: on free text two tokens recur by chance, and the drafts
-# after them are mostly rejected, each costing a verification row (about a third of a decode
-# step on an AVX2 CPU). So it drafts one token. Simulated on the greedy replies of 17 chat
-# prompts (the spec-ngram prompts, 6 on this repository's code and docs, the 8 parity chats),
-# with k = 4 and a row at 0.35 of a step: +4 % tokens per unit of step time on quote and
-# edit-code, +3 % on the 14 others, and free text from 0.90x to 0.98x of no speculation.
+# A match this short is weak evidence: two tokens recur by chance, and the drafts after them are
+# mostly rejected, each costing a verification row (about a third of a decode step on an AVX2
+# CPU). So it drafts one token. `python -m engine_proc.bench.spec_ngram --streams 1 --threads 1
+# --decode-activations int8` (k = 4, 2-core Zen 1, two runs of each rule alternating): edit-code
+# 1.11-1.16x -> 1.37-1.38x of no speculation, quote 1.95-2.00x -> 1.90-1.94x, free text 0.93-0.94x
+# -> 0.90-0.96x (16 drafts instead of 40, none accepted by either).
 SHORT_MATCH = 2
 
 

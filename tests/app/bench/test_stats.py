@@ -13,6 +13,8 @@ from app.bench.stats import (
     percentile,
     summarize_workload,
 )
+from app.bench.suite import _streams_header
+from app.bench.workloads import Sizes
 
 
 def test_percentile_matches_numpy() -> None:
@@ -64,7 +66,8 @@ def test_streams_decode_throughput_by_hand() -> None:
                          "e2e": 2.0, "itl": [0.25] * 4},
                         {"token_times": [1.2, 1.45, 1.7, 1.95, 2.2], "ttft": 1.2, "tpot": 0.25,
                          "e2e": 2.2, "itl": [0.25] * 4}],
-           "model_info": {"decode_weights": "int4", "kv_cache_dtype": "fp16"}}
+           "model_info": {"decode_weights": "int4", "kv_cache_dtype": "fp16"},
+           "decode_step": "fused", "decode_detail": "avx2_fp32+int8"}
     assert decode_throughput(run) == pytest.approx(8 / 1.2)
     one = {"requests": [run["requests"][0]]}
     assert decode_throughput(one) == pytest.approx(1 / 0.25)  # one stream: 1 / TPOT
@@ -76,6 +79,10 @@ def test_streams_decode_throughput_by_hand() -> None:
     assert s["streams"] == 2 and s["runs"] == 2
     assert s["decode_tok_s"] == pytest.approx((8 / 1.2 + 8 / 2.4) / 2)  # median of two
     assert s["decode_weights"] == "int4" and s["kv_cache_dtype"] == "fp16"
+    assert s["decode_step"] == "fused" and s["decode_detail"] == "avx2_fp32+int8"
+    header = _streams_header({"streams-2": {"kvscope": s, "kvscope-exact": {
+        **s, "decode_detail": "avx2_fp32"}}}, Sizes())  # fmt: skip
+    assert "fused step: kvscope avx2_fp32+int8; kvscope-exact avx2_fp32;" in header
 
 
 def test_ideal_paged_occupancy_by_hand() -> None:
