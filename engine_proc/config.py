@@ -29,9 +29,11 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 4
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's JSON shape. "ngram" (prompt lookup): the drafts are the
     tokens that followed the latest earlier occurrence of the sequence's last n tokens
-    (engine_proc/spec_decode/ngram.py), n from prompt_lookup_max down to prompt_lookup_min.
-    "draft_model" (implied by a "model" key): a smaller model with the same tokenizer runs
-    ahead greedily (engine_proc/spec_decode/draft_model.py)."""
+    (engine_proc/spec_decode/ngram.py), n from prompt_lookup_max down to prompt_lookup_min; a
+    match of two tokens or fewer drafts one token where longer ones were looked for (unlike
+    vLLM, which always drafts k: ngram.py SHORT_MATCH says why). "draft_model" (implied by a
+    "model" key): a smaller model with the same tokenizer runs ahead greedily
+    (engine_proc/spec_decode/draft_model.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -142,7 +144,7 @@ class EngineConfig:
     # step quantizes activations to 8 bits per group of 32 in all four products and the 8-bit
     # output projection, llama.cpp's Q4 x Q8 arithmetic (faster where a CPU lacks bfloat16 dot
     # products; replies drift from the exact ones after some tokens, as llama.cpp's do). "auto":
-    # int8 where our 4-bit kernels run the fused step, else exact, without a word (the app's
+    # int8 where our AVX2 4-bit kernel runs the fused step, else exact, without a word (the app's
     # default: as close to the float32 model as llama.cpp is, measured by
     # `python -m engine_proc.bench.decode_quality`).
     decode_activations: str = "exact"
@@ -264,7 +266,7 @@ def add_kernel_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         choices=SUPPORTED_DECODE_ACTIVATIONS,
         help="the fused step's arithmetic: exact (float32 activations for one chat or a few), "
         "int8 (8-bit activations in every step, llama.cpp's arithmetic: faster on AVX2 CPUs) or "
-        "auto (int8 where our 4-bit kernels run, else exact)",
+        "auto (int8 where our AVX2 4-bit kernel runs, else exact)",
     )
 
 

@@ -11,7 +11,12 @@ import sys
 from typing import Any
 
 from app.api.server import EngineLink
-from app.supervisor import EngineOptions, EngineSupervisor, engine_command
+from app.supervisor import (
+    APP_DECODE_ACTIVATIONS,
+    EngineOptions,
+    EngineSupervisor,
+    engine_command,
+)
 from ipc.client import EngineError
 
 log = logging.getLogger("app.serve")
@@ -31,7 +36,7 @@ def engine_options(a: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         model=a.model, dtype=a.dtype, device=a.device, num_kv_blocks=a.num_kv_blocks,
         max_model_len=a.max_model_len, decode_weights=a.decode_weights,
-        decode_activations=getattr(a, "decode_activations", None),
+        decode_activations=getattr(a, "decode_activations", None) or APP_DECODE_ACTIVATIONS,
         kv_cache_dtype=a.kv_cache_dtype, kv_host_memory=a.kv_host_memory,
         kv_disk_dir=a.kv_disk_dir, kv_disk_bytes=a.kv_disk_bytes,
         kv_events_config=getattr(a, "kv_events_config", None),  # absent from older namespaces

@@ -48,8 +48,8 @@ NO_DRAFT_PEER = ("n/a: llama-cpp-python speculates with a draft model only throu
 NO_BATCHED_LOOKUP = ("n/a: llama-cpp-python's prompt lookup runs in the high-level Llama, one "
                      "sequence at a time (its batched C API has no speculation)")
 NEEDS_DRAFT = "spec-draft needs --draft-model PATH (the draft model of speculative_config)"
-# kvscope's engine settings: what the app runs on a CPU by default, as in the streams workloads.
-# the app's engine on a CPU: 4-bit weights, the fused step, 8-bit activations where our kernels run
+# kvscope's engine settings: what the app runs on a CPU by default, as in the streams workloads
+# (4-bit weights, the fused step, 8-bit activations on AVX2: `auto`).
 SPEC_ENGINE = {"decode_weights": "auto", "decode_step": "fused", "decode_activations": "auto"}
 
 

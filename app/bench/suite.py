@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-decode-activations", default="auto",
                     choices=("auto", "exact", "int8"),
                     help="the fused decode step's arithmetic in every KVScope engine of the run "
-                    "(auto, the app's: int8 where our 4-bit kernels run; kvscope-exact runs exact "
-                    "beside kvscope in the streams workloads anyway)")
+                    "(auto, the app's: int8 where our AVX2 4-bit kernel runs; kvscope-exact runs "
+                    "exact beside kvscope in the streams workloads anyway)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")
     ap.add_argument("--draft-model", default=None,
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     wl_defs, wl_paths = {}, {}
     for w in workloads:
         wl_defs[w] = make_workload(w, sizes, args.seed, vocab, args.draft_model)
-        if args.engine_decode_activations != "auto":  # every KVScope engine of the run
-            wl_defs[w]["engine"]["decode_activations"] = args.engine_decode_activations
+        # every KVScope engine of the run (kvscope-exact and kvscope-int8 override it)
+        wl_defs[w].setdefault("engine", {})["decode_activations"] = args.engine_decode_activations
         wl_paths[w] = out / "workloads" / f"{w}.json"
         wl_paths[w].write_text(json.dumps(wl_defs[w]))
 
@@ -374,9 +374,9 @@ def _streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
                        if w.startswith("streams-") for s in by.values() if s.get("kv_cache_dtype")})
     kv = f", KV cache {'/'.join(kv_types)}" if kv_types else ""
     # the fused step's kernel per system ("+int8": 8-bit activations in every step)
-    kernels = "; ".join(f"{system} {s['decode_detail']}" for system, s in sorted(
-        {sys: s for w, by in summary.items() if w.startswith("streams-")
-         for sys, s in by.items() if s.get("decode_detail")}.items()))  # fmt: skip
+    detail = {system: s["decode_detail"] for w, by in summary.items() if w.startswith("streams-")
+              for system, s in by.items() if s.get("decode_detail")}  # fmt: skip
+    kernels = "; ".join(f"{system} {d}" for system, d in sorted(detail.items()))
     kv += f"; fused step: {kernels}" if kernels else ""
     used = "/".join(weights) if weights else "not measured"
     if "int4" in weights and "fused" in steps:  # engine_proc/executor/fused_decode.py

@@ -15,7 +15,8 @@ tests/engine_proc/engine/test_hf_parity.py holds to transformers). Systems:
 
 Per system: perplexity of the text, mean / p99 / max KL(reference || system) in nats, and the
 share of positions whose top token is the reference's. Decode steps are what is measured: the
-first `--prefix` tokens are the prompt (the engine's prefill, not counted).
+first `--prefix` tokens are the prompt, and only the first measured position comes from its
+prefill (for every system alike); the other `--positions` - 1 are decode steps.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +51,8 @@ def teacher_forced_decode(engine: LLMEngine, ids: list[int], prefix: int) -> tor
     emit = engine._sample_and_emit
 
     def forced(logits: torch.Tensor, sampling: list) -> list:
+        if not sampling:  # a prompt chunk before the last: nothing sampled
+            return emit(logits, sampling)
         assert logits.shape[0] == 1, "one sequence, no speculation"
         captured.append(torch.log_softmax(logits[0].double(), -1))
         nxt = ids[prefix + len(captured) - 1] if prefix + len(captured) - 1 < len(ids) else 0
@@ -97,9 +101,10 @@ def evaluate(text: str, positions: int, prefix: int, threads: int, model: str | 
              systems: tuple[str, ...], progress: Callable[[str], None] = logger.info,
              ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Every system against the float32 reference on the text's first positions + 1 tokens."""
-    common = dict(model=model, device="cpu", num_threads=threads, enable_prefix_caching=False,
-                  num_kv_blocks=(positions + 64) // 16 + 8)  # fmt: skip
-    ref = LLMEngine(EngineConfig(**common, dtype="float32", decode_weights="dense",  # type: ignore[arg-type]
+    common: dict[str, Any] = dict(model=model, device="cpu", num_threads=threads,
+                                  enable_prefix_caching=False,
+                                  num_kv_blocks=(prefix + positions + 15) // 16 + 8)  # fmt: skip
+    ref = LLMEngine(EngineConfig(**common, dtype="float32", decode_weights="dense",
                                  decode_step="eager", attention_backend="torch"))  # fmt: skip
     ids = ref.tokenize_text(text)[: prefix + positions]
     if len(ids) < prefix + positions:
@@ -115,13 +120,16 @@ def evaluate(text: str, positions: int, prefix: int, threads: int, model: str | 
         if system == "llamacpp":
             lp = llamacpp_decode(model_path(model), ids, prefix, threads)
         else:
-            config = EngineConfig(**common, decode_weights="int4", decode_step="fused",  # type: ignore[arg-type]
-                                  decode_activations=KVSCOPE_SYSTEMS[system])  # fmt: skip
-            engine = LLMEngine(config)
+            activations = KVSCOPE_SYSTEMS[system]
+            engine = LLMEngine(EngineConfig(**common, decode_weights="int4", decode_step="fused",
+                                            decode_activations=activations))  # fmt: skip
+            step = engine.runner.fused.ready()
+            if step is None or step.int8_activations != (activations == "int8"):
+                raise RuntimeError(f"{system} does not run here: {engine.runner.fused.detail}")
             lp = teacher_forced_decode(engine, ids, prefix)
             fused = engine.runner.num_fused_steps
             del engine
-            if fused < positions - 1:  # the arithmetic measured must be the fused step's
+            if fused != positions - 1:  # the arithmetic measured must be the fused step's
                 raise RuntimeError(f"{system}: {fused} of {positions - 1} decode steps fused")
         results[system] = compare(lp_ref, lp, targets)
     return results

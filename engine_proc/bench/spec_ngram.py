@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fused: the C++ decode step the app and serve use on a CPU (built now)")
     ap.add_argument("--decode-weights", default="auto", choices=("auto", "dense", "int4"),
                     help="auto: 4-bit on a CPU, as the app and serve start")
-    ap.add_argument("--decode-activations", default="exact", choices=("exact", "int8"),
+    ap.add_argument("--decode-activations", default="exact", choices=("exact", "int8", "auto"),
                     help="the fused step's arithmetic (EngineConfig.decode_activations)")
     ap.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     ap.add_argument("--draft-model", default=None, metavar="PATH",

@@ -189,6 +189,19 @@ def layer_tensors(
     return tensors
 
 
+
+def takes_int8_activations(activations: str, kernel: str, q8_kernel: str) -> bool:
+    """Whether every step goes on 8-bit activations (EngineConfig.decode_activations): "int8"
+    wherever our 4-bit kernels (their strips fit the model's shapes) meet a vector 8-bit kernel;
+    "auto" only where that was measured faster, and as close to the float32 model as llama.cpp
+    (python -m engine_proc.bench.decode_quality): the AVX2 4-bit kernel. On AVX-512 bf16 CPUs
+    the exact step's bf16 products were 0.92-1.8x llama.cpp and int8 is not measured there, so
+    "auto" keeps them."""
+    vector_q8 = q8_kernel != "portable"
+    if activations == "int8":
+        return kernel in ("avx2_fp32", "avx512_bf16") and vector_q8
+    return activations == "auto" and kernel == "avx2_fp32" and vector_q8
+
 @dataclass(slots=True)
 class FusedDecodeStep:
     """Runs pure decode steps of ``model`` through the extension's FusedDecoder."""
@@ -242,8 +255,7 @@ class FusedDecodeStep:
             raise ValueError(f"int4_kernel avx512_bf16 reads 64-column blocks, torch packs {block}")
         q8_kernel = Q8_KERNELS[module.best_q8_kernel()]
         q8_products = Q8_PRODUCTS.get((kernel, q8_kernel), ()) if q8_activations else ()
-        ours = kernel in ("avx2_fp32", "avx512_bf16")  # (their strips fit the model's shapes)
-        int8 = activations in ("int8", "auto") and ours and q8_kernel != "portable"
+        int8 = takes_int8_activations(activations, kernel, q8_kernel)
         if activations == "int8" and not int8:
             logger.warning("decode_activations='int8' needs our 4-bit kernels (AVX2, torch's "
                            "packed layout, outputs in multiples of 64); here the %s kernel runs "

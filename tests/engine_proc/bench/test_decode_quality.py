@@ -26,8 +26,14 @@ def _check_close_but_not_equal(r: dict[str, float], ppl: float) -> None:
 
 @pytest.mark.slow
 def test_exact_lands_on_the_reference_and_int8_near_it(extension):
-    r = dq.evaluate(TEXT, positions=24, prefix=6, threads=1, model=None,
-                    systems=("kvscope-exact", "kvscope-int8"), progress=lambda _: None)  # fmt: skip
+    try:
+        r = dq.evaluate(TEXT, positions=24, prefix=6, threads=1, model=None,
+                        systems=("kvscope-exact", "kvscope-int8"),
+                        progress=lambda _: None)  # fmt: skip
+    except RuntimeError as exc:  # as test_int8_activations.py's _int8_engine
+        if "kvscope-int8 does not run here" not in str(exc):
+            raise
+        pytest.skip("8-bit activations need our 4-bit kernels and an AVX2 or VNNI 8-bit kernel")
     ref, exact, int8 = r["reference"], r["kvscope-exact"], r["kvscope-int8"]
     assert ref["kld_max"] == 0 and ref["top1_agreement"] == 1
     assert exact["kld_max"] < 1e-6 and exact["top1_agreement"] == 1

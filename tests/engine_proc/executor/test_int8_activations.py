@@ -134,20 +134,40 @@ def test_our_kernels_only(extension, caplog):
     assert "decode_activations='int8' needs our 4-bit kernels" in caplog.text
 
 
+def test_which_kernels_take_8bit_activations():
+    """"int8" wherever our 4-bit kernels meet a vector 8-bit kernel; "auto" only on the AVX2
+    4-bit kernel (where it was measured); never with torch's kernel or the portable 8-bit one."""
+    take = fd.takes_int8_activations
+    for q8 in ("avx2", "avx512_vnni"):
+        assert take("int8", "avx2_fp32", q8) and take("int8", "avx512_bf16", q8)
+        assert take("auto", "avx2_fp32", q8) and not take("auto", "avx512_bf16", q8)
+        assert not take("int8", "torch", q8) and not take("auto", "torch", q8)
+        assert not take("exact", "avx2_fp32", q8)
+    assert not take("int8", "avx2_fp32", "portable") and not take("auto", "avx2_fp32", "portable")
+
+
 @pytest.mark.slow
-def test_auto_is_int8_on_our_kernels_and_exact_elsewhere_without_a_word(extension, caplog):
-    """"auto" (the apps' default): the int8 step where our kernels run, replies token for token
-    the int8 engine's; torch's kernel and an eager engine keep float32 activations, silently."""
-    int8 = _int8_engine()
+def test_auto_is_int8_on_the_avx2_kernel_and_exact_elsewhere_without_a_word(extension, caplog):
+    """"auto" (the apps' default): the engine runs what takes_int8_activations picks for its
+    kernel, token for token and logprob for logprob the engine told that arithmetic; the AVX2
+    kernel takes 8 bits, torch's kernel and an eager engine keep float32 activations, silently."""
+    caplog.clear()
     auto = _engine("fused", checkpoint=q8_head_checkpoint(), decode_activations="auto")
     step = auto.runner.fused.step
-    assert step.int8_activations and step.precise_rows == 0
-    assert auto.runner.fused.detail.endswith("+int8")
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    assert step is not None
+    int8 = fd.takes_int8_activations("auto", step.int4_kernel, step.q8_kernel)
+    assert step.int8_activations == int8 and auto.runner.fused.detail.endswith("+int8") == int8
+    same = _engine("fused", checkpoint=q8_head_checkpoint(),
+                   decode_activations="int8" if int8 else "exact")  # fmt: skip
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)] * 2
     prompts = [[1, 5, 9, 14], [2, 7]]
-    got, want = auto.generate(prompts, params), int8.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    caplog.clear()
+    got, want = _run(auto, prompts, params), _run(same, prompts, params)
+    for (tokens, logprobs), (tokens_want, logprobs_want) in zip(got, want, strict=True):
+        assert tokens == tokens_want and len(logprobs) == 12
+        assert logprobs == pytest.approx(logprobs_want, abs=1e-6)
+    if extension.best_q8_kernel() != 0:  # a vector 8-bit kernel: the AVX2 4-bit kernel takes it
+        avx2 = fd.FusedDecodeStep.create(auto.model, extension, "avx2_fp32", activations="auto")
+        assert avx2.int8_activations and avx2.precise_rows == 0
     torch_step = fd.FusedDecodeStep.create(auto.model, extension, "torch", activations="auto")
     assert not torch_step.int8_activations and torch_step.precise_rows == fd.PRECISE_ROWS
     eager = _engine("eager", decode_activations="auto")

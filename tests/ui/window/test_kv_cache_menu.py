@@ -166,10 +166,10 @@ def test_decode_weights_share_the_restart_flow(spawned):
 def test_decode_activations_share_it_and_are_remembered(spawned, tmp_path):
     w = spawned
     actions = w.option_menus.activation_actions
-    # the apps' default: 8-bit where our kernels run (APP_DECODE_ACTIVATIONS)
-    assert actions["auto"].isChecked() and not actions["int8"].isChecked()
+    # a source without the flag runs the engine's default (the app always passes one)
+    assert actions["exact"].isChecked() and not actions["auto"].isChecked()
     restarts = len(w.restarts)
-    actions["auto"].trigger()  # what runs already: no restart
+    actions["exact"].trigger()  # what runs already: no restart
     assert len(w.restarts) == restarts
     actions["int8"].trigger()
     assert _flag(w.restarts[-1], "--decode-activations") == "int8"
@@ -193,14 +193,17 @@ def test_decode_activations_share_it_and_are_remembered(spawned, tmp_path):
 
 def test_remembered_choices_show_in_the_menu(qtbot, tmp_path):
     d = tmp_path / "data"
-    opts = EngineOptions(kv_host_memory=3 * GIB, kv_disk_dir=str(d / "kv-cache"),
-                         kv_disk_bytes=GIB)
+    # the options as the app builds them: the arithmetic is auto unless told otherwise
+    opts = app_main._engine_options(app_main.build_parser().parse_args([]), DictSettings({}), d)
+    opts.kv_host_memory, opts.kv_disk_dir, opts.kv_disk_bytes = 3 * GIB, str(d / "kv-cache"), GIB
     w = MainWindow(open_settings(d), ConversationStore(d / "conversations"),
                    EngineSource(command=["/bin/false"], options=opts), data_dir=d)
     qtbot.addWidget(w)
     acts = w.kv_cache_actions
     assert acts["host"][3 * GIB].isChecked() and acts["host"][3 * GIB].text() == "3 GiB"
     assert acts["disk"][GIB].isChecked() and acts["dtype"]["auto"].isChecked()
+    arithmetic = w.option_menus.activation_actions
+    assert arithmetic["auto"].isChecked() and not arithmetic["exact"].isChecked()
     w.shutdown()
 
 
