@@ -189,7 +189,6 @@ def layer_tensors(
     return tensors
 
 
-
 def takes_int8_activations(activations: str, kernel: str, q8_kernel: str) -> bool:
     """Whether every step goes on 8-bit activations (EngineConfig.decode_activations): "int8"
     wherever our 4-bit kernels (their strips fit the model's shapes) meet a vector 8-bit kernel;
@@ -201,6 +200,7 @@ def takes_int8_activations(activations: str, kernel: str, q8_kernel: str) -> boo
     if activations == "int8":
         return kernel in ("avx2_fp32", "avx512_bf16") and vector_q8
     return activations == "auto" and kernel == "avx2_fp32" and vector_q8
+
 
 @dataclass(slots=True)
 class FusedDecodeStep:

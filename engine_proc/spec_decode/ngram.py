@@ -33,9 +33,11 @@ class NgramProposer:
         """At most k (default num_speculative_tokens) drafts to follow token_ids; [] if none
         of its suffixes occurred earlier."""
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
+        if k <= 0:
+            return []
         tokens = np.asarray(token_ids, dtype=np.int64)
         start, n = find_match(tokens, self.prompt_lookup_min, self.prompt_lookup_max)
-        if n == 0 or k <= 0:
+        if n == 0:
             return []
         if n <= SHORT_MATCH < self.prompt_lookup_max:
             k = 1

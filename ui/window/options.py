@@ -105,8 +105,7 @@ class EngineOptionMenus:
                                                     self.set_decode_activations)  # fmt: skip
         # None: no flag, the engine's own default (the app always passes one: auto unless told)
         choice = w.source.options.decode_activations or "exact"
-        arithmetic = self.activation_actions
-        arithmetic.get(choice, arithmetic["exact"]).setChecked(True)
+        self.activation_actions.get(choice, self.activation_actions["exact"]).setChecked(True)
         return weights, actions  # type: ignore[return-value]
 
     def _radio_group(
