@@ -52,12 +52,17 @@ from app.bench.spec_stats import exactness
 from app.bench.spec_table import build_spec_rows, format_spec_table, spec_header
 from app.bench.spec_workloads import NEEDS_DRAFT, spec_level
 from app.bench.stats import summarize_workload
-from app.bench.table import build_rows, build_streams_rows, format_streams_table, format_table
+from app.bench.table import (
+    build_rows,
+    build_streams_rows,
+    format_streams_table,
+    format_table,
+    streams_header,
+)
 from app.bench.workloads import (
     FULL,
     LONG,
     QUICK,
-    STREAMS_DECODE_WEIGHTS,
     WORKLOAD_SYSTEMS,
     WORKLOADS,
     Sizes,
@@ -323,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         text.append(format_table(rows))
     if streams_rows:
-        text += ["", _streams_header(summary, sizes), format_streams_table(streams_rows)]
+        text += ["", streams_header(summary, sizes), format_streams_table(streams_rows)]
     if spec_rows:
         text += ["", spec_header(sizes.spec_new), format_spec_table(spec_rows)]
     print("\n".join(text))
@@ -363,34 +368,6 @@ def all_failed(runs: dict[str, dict[str, list[dict]]]) -> int:
     """The number of failed runs when every run that was not skipped failed, else 0."""
     ran = [r for by in runs.values() for rs in by.values() for r in rs if "skipped" not in r]
     return len(ran) if ran and all("error" in r for r in ran) else 0
-
-
-def _streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
-    weights = sorted({s["decode_weights"] for w, by in summary.items() if w.startswith("streams-")
-                      for s in by.values() if s.get("decode_weights")})
-    steps = {s.get("decode_step") for w, by in summary.items() if w.startswith("streams-")
-             for s in by.values()}  # fmt: skip
-    kv_types = sorted({s["kv_cache_dtype"] for w, by in summary.items()
-                       if w.startswith("streams-") for s in by.values() if s.get("kv_cache_dtype")})
-    kv = f", KV cache {'/'.join(kv_types)}" if kv_types else ""
-    # the fused step's kernel per system ("+int8": 8-bit activations in every step)
-    detail = {system: s["decode_detail"] for w, by in summary.items() if w.startswith("streams-")
-              for system, s in by.items() if s.get("decode_detail")}  # fmt: skip
-    kernels = "; ".join(f"{system} {d}" for system, d in sorted(detail.items()))
-    kv += f"; fused step: {kernels}" if kernels else ""
-    used = "/".join(weights) if weights else "not measured"
-    if "int4" in weights and "fused" in steps:  # engine_proc/executor/fused_decode.py
-        used += (" with the fused C++ decode step (every decode step, up to 64 rows per call; "
-                 "prompts run the dense weights)")
-    elif "int4" in weights:  # engine_proc/models/int4.py MAX_ROWS
-        used += (" (4-bit products in steps of at most 16 tokens; larger steps, such as the "
-                 "64-stream decode, run the dense weights)")
-    return (f"streams: N concurrent greedy streams, all at t=0, {sizes.streams_len}-token "
-            f"prompts, {sizes.streams_new} new tokens each (EOS ignored); decode tok/s = tokens "
-            f"after each stream's first / (last token - first first token), all streams "
-            f"together; kvscope decode weights {STREAMS_DECODE_WEIGHTS} (the app's CPU default) "
-            f"-> {used}{kv}; llama.cpp: batched llama_decode, one KV stream per sequence; "
-            f"transformers: one static batch of N")
 
 
 def _brief(result: dict) -> str:

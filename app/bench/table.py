@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.bench.stats import ratio
-from app.bench.workloads import streams_level
+from app.bench.workloads import STREAMS_DECODE_WEIGHTS, Sizes, streams_level
 
 BASELINE = "hf"
 # The issue's targets for N concurrent streams: kvscope's decode tok/s over llama.cpp's
@@ -165,6 +165,35 @@ def build_streams_rows(summary: dict[str, dict[str, dict]]) -> list[StreamsRow]:
             row.exact_passed = check(exact_vs, ">=", bound)
         rows.append(row)
     return rows
+
+
+def streams_header(summary: dict[str, dict[str, dict]], sizes: Sizes) -> str:
+    """The streams table's header: the workload, and what kvscope decoded with."""
+    weights = sorted({s["decode_weights"] for w, by in summary.items() if w.startswith("streams-")
+                      for s in by.values() if s.get("decode_weights")})
+    steps = {s.get("decode_step") for w, by in summary.items() if w.startswith("streams-")
+             for s in by.values()}  # fmt: skip
+    kv_types = sorted({s["kv_cache_dtype"] for w, by in summary.items()
+                       if w.startswith("streams-") for s in by.values() if s.get("kv_cache_dtype")})
+    kv = f", KV cache {'/'.join(kv_types)}" if kv_types else ""
+    # the fused step's kernel per system ("+int8": 8-bit activations in every step)
+    detail = {system: s["decode_detail"] for w, by in summary.items() if w.startswith("streams-")
+              for system, s in by.items() if s.get("decode_detail")}  # fmt: skip
+    kernels = "; ".join(f"{system} {d}" for system, d in sorted(detail.items()))
+    kv += f"; fused step: {kernels}" if kernels else ""
+    used = "/".join(weights) if weights else "not measured"
+    if "int4" in weights and "fused" in steps:  # engine_proc/executor/fused_decode.py
+        used += (" with the fused C++ decode step (every decode step, up to 64 rows per call; "
+                 "prompts run the dense weights)")
+    elif "int4" in weights:  # engine_proc/models/int4.py MAX_ROWS
+        used += (" (4-bit products in steps of at most 16 tokens; larger steps, such as the "
+                 "64-stream decode, run the dense weights)")
+    return (f"streams: N concurrent greedy streams, all at t=0, {sizes.streams_len}-token "
+            f"prompts, {sizes.streams_new} new tokens each (EOS ignored); decode tok/s = tokens "
+            f"after each stream's first / (last token - first first token), all streams "
+            f"together; kvscope decode weights {STREAMS_DECODE_WEIGHTS} (the app's CPU default) "
+            f"-> {used}{kv}; llama.cpp: batched llama_decode, one KV stream per sequence; "
+            f"transformers: one static batch of N")
 
 
 def format_streams_table(rows: list[StreamsRow]) -> str:

@@ -13,7 +13,7 @@ from app.bench.stats import (
     percentile,
     summarize_workload,
 )
-from app.bench.suite import _streams_header
+from app.bench.table import streams_header
 from app.bench.workloads import Sizes
 
 
@@ -80,7 +80,7 @@ def test_streams_decode_throughput_by_hand() -> None:
     assert s["decode_tok_s"] == pytest.approx((8 / 1.2 + 8 / 2.4) / 2)  # median of two
     assert s["decode_weights"] == "int4" and s["kv_cache_dtype"] == "fp16"
     assert s["decode_step"] == "fused" and s["decode_detail"] == "avx2_fp32+int8"
-    header = _streams_header({"streams-2": {"kvscope": s, "kvscope-exact": {
+    header = streams_header({"streams-2": {"kvscope": s, "kvscope-exact": {
         **s, "decode_detail": "avx2_fp32"}}}, Sizes())  # fmt: skip
     assert "fused step: kvscope avx2_fp32+int8; kvscope-exact avx2_fp32;" in header
 
