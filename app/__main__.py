@@ -236,9 +236,11 @@ def run_gui(args: argparse.Namespace) -> int:
     from app.conversations import ConversationStore
     from app.settings import APP, ORG, data_dir, open_settings
     from ui import theme
+    from ui.qt_compat import collect_garbage_on_gui_thread
     from ui.window.main_window import EngineSource, MainWindow
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
+    collect_garbage_on_gui_thread()
     app.setOrganizationName(ORG)
     app.setApplicationName(APP)
     theme.apply_dark_theme(app)

@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -29,6 +30,17 @@ if "TRITON_INTERPRET" not in os.environ:
             os.environ["TRITON_INTERPRET"] = "1"
     except ImportError:
         pass
+
+
+@pytest.fixture(autouse=True)
+def collect_cycles_on_the_main_thread():
+    """Once a GUI test has turned automatic collection off (tests/ui/conftest.py), the tests
+    after it in this worker collect here, on the main thread, by the usual thresholds."""
+    yield
+    if not gc.isenabled():
+        from ui.qt_compat import collect_garbage_on_gui_thread
+
+        collect_garbage_on_gui_thread().check()
 
 
 @pytest.fixture(scope="session")

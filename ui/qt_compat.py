@@ -40,3 +40,25 @@ def patch_none_refcount() -> bool:
             ctypes.c_ssize_t.from_address(id(obj)).value += _BIG
         _patched = True
     return _patched
+
+
+_collector = None
+
+
+def collect_garbage_on_gui_thread(interval_s: float = 1.0):
+    """Collect Python's reference cycles on the GUI thread only, on a timer. Idempotent.
+
+    The cycle collector runs in whichever thread happens to allocate when its thresholds trip:
+    in this app, often the HTTP or ZeroMQ worker threads. When the garbage it finds holds Qt
+    objects (a closed panel, a window's timers), PySide hands their deletion to the GUI thread
+    to run at some later moment, and that crashed the process (SIGSEGV in ~QObject, called from
+    shiboken's BindingManager::runDeletionInMainThread, in 1 of 3 runs of the fleet and remote
+    tests) or hung it. pyqtgraph's GarbageCollector is the known fix: automatic collection off,
+    `gc.collect` by generation thresholds on a GUI-thread QTimer.
+    """
+    global _collector
+    if _collector is None:
+        from pyqtgraph.util.garbage_collector import GarbageCollector
+
+        _collector = GarbageCollector(interval=interval_s)
+    return _collector

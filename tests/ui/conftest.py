@@ -22,6 +22,15 @@ def tiny_engine_command(*extra: str) -> list[str]:
     return [sys.executable, "-m", "engine_proc", "serve", *TINY_ENGINE_ARGS, *extra]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gc_on_gui_thread(qapp):
+    """As in the app: cycles are collected on the GUI thread only (ui.qt_compat says why); once
+    set, for the rest of this worker's session (tests/conftest.py collects between tests)."""
+    from ui.qt_compat import collect_garbage_on_gui_thread
+
+    return collect_garbage_on_gui_thread()
+
+
 @pytest.fixture
 def data_dir(tmp_path, monkeypatch):
     d = tmp_path / "kvscope-data"

@@ -31,6 +31,7 @@ from ui.chat import message_view
 from ui.chat.message_view import MessageView
 from ui.chat.panel import ChatPanel
 from ui.latency import LatencyProbe
+from ui.qt_compat import collect_garbage_on_gui_thread
 
 CHARS_PER_TOKEN = 4
 REPLY = """Here is how the **paged KV cache** works, step by step:
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # no display needed; xvfb-run works too
     app = QApplication.instance() or QApplication(sys.argv[:1])
+    collect_garbage_on_gui_thread()  # as the app does (ui.qt_compat)
     theme.apply_dark_theme(app)
     modes = [False, True] if args.both else [not args.plain]
     print(f"{args.messages} messages, {args.rate:g} tokens/s for {args.seconds:g} s, "

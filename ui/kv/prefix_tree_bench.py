@@ -31,9 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     from ui.kv.prefix_tree import PrefixTreePanel
     from ui.kv.prefix_tree_layout import TreeTracker
     from ui.latency import LatencyProbe
+    from ui.qt_compat import collect_garbage_on_gui_thread
     from ui.telemetry import BLOCK_CACHED, BLOCK_IN_USE, Frame
 
     app = QApplication.instance() or QApplication([])
+    collect_garbage_on_gui_thread()  # as the app does (ui.qt_compat)
     panel = PrefixTreePanel()
     panel.resize(900, 360)
     panel.show()

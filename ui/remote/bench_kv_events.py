@@ -105,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     from app.remote.kv_events_source import KvEventsSource
     from ui.kv.prefix_tree import PrefixTreePanel
     from ui.latency import LatencyProbe
+    from ui.qt_compat import collect_garbage_on_gui_thread
     from ui.remote.kv_events_link import KvEventsLink
     from ui.remote.remote_tree import RemoteTreeFeed
 
     app = QApplication.instance() or QApplication([])
+    collect_garbage_on_gui_thread()  # as the app does (ui.qt_compat)
     panel = PrefixTreePanel()
     panel.use_remote(lambda lay, i: "", "waiting")
     panel.resize(900, 360)
