@@ -52,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--decode-activations", default=APP_DECODE_ACTIVATIONS,
                    choices=DECODE_ACTIVATIONS,
-                   help="auto (default): int8 where our AVX2 4-bit kernel runs, else exact; int8: "
-                   "8-bit activations, llama.cpp's arithmetic, 1.6-1.7x faster replies on AVX2 "
-                   "CPUs; exact: replies are the 4-bit model's own")
+                   help="auto (default): int8 where our 4-bit kernels run (AVX2, AVX-512 with "
+                   "bf16 and VNNI), else exact; int8: 8-bit activations, llama.cpp's arithmetic, "
+                   "1.6-1.7x faster replies on AVX2 CPUs; exact: replies are the 4-bit model's "
+                   "own")
     g.add_argument(
         "--engine-args", default="", help='more `serve` options, e.g. "--num-blocks 512"'
     )

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_WEIGHTS = ("auto", "dense", "int4")
 DECODE_ACTIVATIONS = ("auto", "exact", "int8")  # the engine's decode_activations
-# The apps' choice (window, serve, chat): llama.cpp's 8-bit arithmetic where our AVX2 4-bit kernel
-# runs, 1.6-1.7x faster replies there and as close to the float32 model as llama.cpp itself
+# The apps' choice (window, serve, chat): llama.cpp's 8-bit arithmetic where our 4-bit kernels run
+# (fused_decode.takes_int8_activations): 1.6-1.7x faster replies on AVX2, 1.0-1.1x alone and 1.12x
+# beside 16 chats on AVX-512 (Zen 4), and as close to the float32 model as llama.cpp itself
 # (python -m engine_proc.bench.decode_quality); the engine's own default stays "exact".
 APP_DECODE_ACTIVATIONS = "auto"
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "fp8")

@@ -144,8 +144,9 @@ class EngineConfig:
     # step quantizes activations to 8 bits per group of 32 in all four products and the 8-bit
     # output projection, llama.cpp's Q4 x Q8 arithmetic (faster where a CPU lacks bfloat16 dot
     # products; replies drift from the exact ones after some tokens, as llama.cpp's do). "auto":
-    # int8 where our AVX2 4-bit kernel runs the fused step, else exact, without a word (the app's
-    # default: as close to the float32 model as llama.cpp is, measured by
+    # int8 where our 4-bit kernels run the fused step with a vector 8-bit kernel (AVX2; AVX-512
+    # with bf16 and VNNI: fused_decode.takes_int8_activations), else exact, without a word (the
+    # app's default: as close to the float32 model as llama.cpp is, measured by
     # `python -m engine_proc.bench.decode_quality`).
     decode_activations: str = "exact"
     seed: int = 0  # seeds requests that bring no seed of their own
@@ -266,7 +267,7 @@ def add_kernel_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         choices=SUPPORTED_DECODE_ACTIVATIONS,
         help="the fused step's arithmetic: exact (float32 activations for one chat or a few), "
         "int8 (8-bit activations in every step, llama.cpp's arithmetic: faster on AVX2 CPUs) or "
-        "auto (int8 where our AVX2 4-bit kernel runs, else exact)",
+        "auto (int8 where our 4-bit kernels run: AVX2, AVX-512 with bf16 and VNNI; else exact)",
     )
 
 

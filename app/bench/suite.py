@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-decode-activations", default="auto",
                     choices=("auto", "exact", "int8"),
                     help="the fused decode step's arithmetic in every KVScope engine of the run "
-                    "(auto, the app's: int8 where our AVX2 4-bit kernel runs; kvscope-exact runs "
+                    "(auto, the app's: int8 where our 4-bit kernels run; kvscope-exact runs "
                     "exact beside kvscope in the streams workloads anyway)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")

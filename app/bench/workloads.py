@@ -49,7 +49,7 @@ WORKLOAD_SYSTEMS = {
 # kvscope's decode weights in the streams workloads: what the app runs on a CPU by default
 # (`auto`: 4-bit copies for steps of at most 16 tokens where supported, else dense).
 STREAMS_DECODE_WEIGHTS = "auto"
-# ...and its arithmetic: `auto`, 8-bit activations where our AVX2 4-bit kernel runs
+# ...and its arithmetic: `auto`, 8-bit activations where our 4-bit kernels run
 # (app.supervisor's APP_DECODE_ACTIVATIONS)
 STREAMS_DECODE_ACTIVATIONS = "auto"
 # ...and the decode step the app uses with them (engine_proc/executor/fused_decode.py; built once,

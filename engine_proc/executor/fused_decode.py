@@ -192,14 +192,17 @@ def layer_tensors(
 def takes_int8_activations(activations: str, kernel: str, q8_kernel: str) -> bool:
     """Whether every step goes on 8-bit activations (EngineConfig.decode_activations): "int8"
     wherever our 4-bit kernels (their strips fit the model's shapes) meet a vector 8-bit kernel;
-    "auto" only where that was measured faster, and as close to the float32 model as llama.cpp
-    (python -m engine_proc.bench.decode_quality): the AVX2 4-bit kernel. On AVX-512 bf16 CPUs
-    the exact step's bf16 products were 0.92-1.8x llama.cpp and int8 is not measured there, so
-    "auto" keeps them."""
+    "auto" where that was measured faster and as close to the float32 model as llama.cpp
+    (python -m engine_proc.bench.decode_quality): the AVX2 4-bit kernel (1.6-1.8x one chat's
+    speed, Zen 1) and the AVX512-BF16 one with VNNI (1.02-1.09x one chat, 1.12x a chat beside
+    16 others, Zen 4); not where the 8-bit kernel is AVX2 beside the AVX512-BF16 kernel (no
+    such CPU measured)."""
     vector_q8 = q8_kernel != "portable"
     if activations == "int8":
         return kernel in ("avx2_fp32", "avx512_bf16") and vector_q8
-    return activations == "auto" and kernel == "avx2_fp32" and vector_q8
+    on_avx2 = kernel == "avx2_fp32" and vector_q8
+    on_avx512 = kernel == "avx512_bf16" and q8_kernel == "avx512_vnni"
+    return activations == "auto" and (on_avx2 or on_avx512)
 
 
 @dataclass(slots=True)

@@ -25,10 +25,10 @@ DECODE_WEIGHT_CHOICES = (
 )
 # the second group of *Decode weights*: the fused step's arithmetic (decode_activations)
 DECODE_ACTIVATION_CHOICES = (
-    ("auto", "Automatic (8-bit activations on AVX2 CPUs)",
-     "what the app starts with: 8-bit activations where our AVX2 4-bit kernel runs (measured "
-     "1.7x faster there, and as close to the full-precision model as llama.cpp is), exact "
-     "arithmetic elsewhere"),
+    ("auto", "Automatic (8-bit activations where our CPU kernels run)",
+     "what the app starts with: 8-bit activations where our 4-bit kernels run (measured 1.7x "
+     "faster on AVX2, 1.0-1.1x on AVX-512, and as close to the full-precision model as "
+     "llama.cpp is), exact arithmetic elsewhere"),
     ("exact", "Exact arithmetic",
      "float32 activations for one reply or a few: replies are the 4-bit model's own"),
     ("int8", "8-bit activations (llama.cpp's arithmetic, faster)",

@@ -120,7 +120,7 @@ LAYOUTS = [("qwen3", name, 16) for name in QWEN3_LAYOUTS] + [
 
 # the precise 4-bit kernels these tests hold to transformers, by the bf16 arithmetic that picks
 # them (models.layers.cpu_has_native_bf16); budget: None, 1e-4 absolute; else that fraction of
-# each logit's sum of magnitudes (measured at most 2^-15.0 on Gemma 3 window8, Zen 5)
+# each logit's sum of magnitudes (measured at most 2^-15.0 on Gemma 3 window8, Zen 4)
 PRECISE_KERNELS = {"avx2_fp32": (False, None), "avx512_bf16": (True, 2**-14)}
 
 

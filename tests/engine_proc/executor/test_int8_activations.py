@@ -135,21 +135,23 @@ def test_our_kernels_only(extension, caplog):
 
 
 def test_which_kernels_take_8bit_activations():
-    """"int8" wherever our 4-bit kernels meet a vector 8-bit kernel; "auto" only on the AVX2
-    4-bit kernel (where it was measured); never with torch's kernel or the portable 8-bit one."""
+    """"int8" wherever our 4-bit kernels meet a vector 8-bit kernel; "auto" where it was
+    measured: the AVX2 4-bit kernel, and the AVX512-BF16 one with the VNNI 8-bit kernel; never
+    with torch's kernel or the portable 8-bit one."""
     take = fd.takes_int8_activations
     for q8 in ("avx2", "avx512_vnni"):
         assert take("int8", "avx2_fp32", q8) and take("int8", "avx512_bf16", q8)
-        assert take("auto", "avx2_fp32", q8) and not take("auto", "avx512_bf16", q8)
+        assert take("auto", "avx2_fp32", q8)
+        assert take("auto", "avx512_bf16", q8) == (q8 == "avx512_vnni")
         assert not take("int8", "torch", q8) and not take("auto", "torch", q8)
-        assert not take("exact", "avx2_fp32", q8)
+        assert not take("exact", "avx2_fp32", q8) and not take("exact", "avx512_bf16", q8)
     assert not take("int8", "avx2_fp32", "portable") and not take("auto", "avx2_fp32", "portable")
 
 
 @pytest.mark.slow
-def test_auto_is_int8_on_the_avx2_kernel_and_exact_elsewhere_without_a_word(extension, caplog):
+def test_auto_is_int8_on_our_kernels_and_exact_elsewhere_without_a_word(extension, caplog):
     """"auto" (the apps' default): the engine runs what takes_int8_activations picks for its
-    kernel, token for token and logprob for logprob the engine told that arithmetic; the AVX2
+    kernel, token for token and logprob for logprob the engine told that arithmetic; our AVX2
     kernel takes 8 bits, torch's kernel and an eager engine keep float32 activations, silently."""
     caplog.clear()
     auto = _engine("fused", checkpoint=q8_head_checkpoint(), decode_activations="auto")
@@ -168,6 +170,10 @@ def test_auto_is_int8_on_the_avx2_kernel_and_exact_elsewhere_without_a_word(exte
     if extension.best_q8_kernel() != 0:  # a vector 8-bit kernel: the AVX2 4-bit kernel takes it
         avx2 = fd.FusedDecodeStep.create(auto.model, extension, "avx2_fp32", activations="auto")
         assert avx2.int8_activations and avx2.precise_rows == 0
+    vnni = fd.Q8_KERNELS[extension.best_q8_kernel()] == "avx512_vnni"
+    if vnni and extension.has_avx512_bf16() and fd.torch_int4_pack_block() == 64:
+        bf16 = fd.FusedDecodeStep.create(auto.model, extension, "avx512_bf16", activations="auto")
+        assert bf16.int8_activations and bf16.precise_rows == 0
     torch_step = fd.FusedDecodeStep.create(auto.model, extension, "torch", activations="auto")
     assert not torch_step.int8_activations and torch_step.precise_rows == fd.PRECISE_ROWS
     eager = _engine("eager", decode_activations="auto")
