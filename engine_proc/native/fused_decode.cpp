@@ -23,6 +23,10 @@
 namespace kvscope {
 namespace {
 
+// Key elements (keys x query heads x head_dim) of attention below which a fork-join costs more
+// than the arithmetic: a row's keys are split among threads past it, a step's rows forked.
+constexpr int64_t kForkWork = int64_t{1} << 17;
+
 struct Linear4 {
   at::Tensor packed;        // torch's int4 CPU layout
   at::Tensor scales_zeros;  // [in / 32, out, 2] bfloat16 (torch's kernel)
@@ -242,9 +246,13 @@ class FusedDecoder {
   };
 
   // Rotary (after the q/k head norms, where the layer has them) and the K/V write for every
-  // row, then attention over (row, chunk of its blocks) tasks: one chunk per row for short
-  // contexts (a fork-join costs more than the arithmetic), one per thread for long ones. A
-  // sliding layer's rows visit only the blocks of their window (released ones lie before it).
+  // row, then attention over (row, chunk of its blocks) tasks: one chunk for a row of short
+  // context (a fork-join costs more than the arithmetic), one per thread for a long one. A row's
+  // chunks follow from its own context alone, never from the rows beside it, so a row computes
+  // the same bits in any step: a speculative step's verification rows what the decode steps
+  // without drafts would (greedy replies equal), a sequence decoding beside others what it
+  // would alone. A sliding layer's rows visit only the blocks of their window (released ones
+  // lie before it).
   template <typename T>
   void attention(const StepShape& s, const at::Tensor& qkv_f, const Rows& in, T* k_cache,
                  T* v_cache, const HeadNorms& norms, at::Tensor& attn) const {
@@ -252,24 +260,33 @@ class FusedDecoder {
     const float* qkv = qkv_f.data_ptr<float>();
     const int32_t* lens = in.lens;
     std::vector<float> q(rows * hd);
-    int64_t work = 0;
+    const int64_t threads = at::get_num_threads();
+    std::vector<int64_t> row_chunks(rows);
+    int64_t chunks = 1;  // the most any row takes: the tasks' layout
+    int64_t total = 0;   // the step's work: whether forking pays at all
     for (int64_t r = 0; r < rows; ++r) {
       rope_and_write(s, qkv + r * width, in.cos + in.pos[r] * d, in.sin + in.pos[r] * d, k_cache,
                      v_cache, in.slot[r], &q[r * hd], norms);
-      work += (lens[r] - in.first_key(r)) * hd;
+      const int64_t work = (lens[r] - in.first_key(r)) * hd;
+      row_chunks[r] = attention_chunks_ > 0 ? attention_chunks_ : work < kForkWork ? 1 : threads;
+      chunks = std::max(chunks, row_chunks[r]);
+      total += work;
     }
-    const int64_t chunks =
-        attention_chunks_ > 0 ? attention_chunks_ : work < (1 << 17) ? 1 : at::get_num_threads();
+    // tasks to threads: all on this one for a small step, else one at a time (a task's
+    // arithmetic does not depend on which thread runs it)
+    const int64_t grain = total < kForkWork && chunks == 1 ? rows : 1;
     std::vector<Partial> part(rows * chunks * s.heads);
     std::vector<float> acc(rows * chunks * hd);
     const auto attend = pick_attend_chunk<T>(s);
-    at::parallel_for(0, rows * chunks, chunks > 1 ? 1 : rows, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, rows * chunks, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r = t / chunks, c = t % chunks, first = in.first_key(r);
+        const int64_t mine = row_chunks[r];
+        if (c >= mine) continue;  // an empty chunk: merge_chunks skips it
         const int64_t b_first = first / s.block_size;
         const int64_t blocks = (lens[r] + s.block_size - 1) / s.block_size - b_first;
-        const int64_t per = (blocks + chunks - 1) / chunks;
+        const int64_t per = (blocks + mine - 1) / mine;
         const int64_t b0 = b_first + c * per, b1 = std::min(b_first + blocks, b0 + per);
         if (b0 < b1)
           attend(s, &q[r * hd], k_cache, v_cache, in.tables + r * s.max_blocks, lens[r], first,

@@ -42,8 +42,9 @@ def _engine(decode_step: str, checkpoint=None, **config: object) -> LLMEngine:
     """An int4 engine; K/V in float32 unless ``kv_cache_dtype`` says otherwise (the default
     beside 4-bit weights is fp16), so the references compare the products exactly."""
     config.setdefault("kv_cache_dtype", "fp32")
+    config.setdefault("num_kv_blocks", 64)
     return LLMEngine(
-        EngineConfig(num_kv_blocks=64, decode_weights="int4", decode_step=decode_step, **config),
+        EngineConfig(decode_weights="int4", decode_step=decode_step, **config),
         checkpoint=checkpoint or snapped_checkpoint(),
     )
 
@@ -350,4 +351,32 @@ def test_mixed_steps_run_their_decodes_fused_and_their_prompts_eagerly_or_as_row
         assert_within(torch.stack(rows[rid]), expected, tol + 2**-24 * expected.abs())
         for i, token in enumerate(out):
             assert expected[i, token] + tol[i, token] >= (expected[i] - tol[i]).max(), (rid, i)
+    assert engine.kv.pool.num_free == engine.num_blocks
+
+
+@pytest.mark.slow
+def test_a_row_computes_the_same_bits_beside_any_other_rows(extension):
+    """Attention splits a long context's keys among threads and merges the parts; whether it
+    splits a row follows from that row's context alone, so the row's logits are bit for bit
+    what they would be alone: how a speculative step's verification rows give plain decoding's
+    tokens (greedy texts once differed on AVX-512 under 8-bit activations), and a chat beside
+    others its tokens alone. Three 750-token contexts together are past the split threshold
+    (2^17 key elements), each alone is not. Prompts are cached first, so their last block runs
+    as fused rows alike in both runs."""
+    from tests.engine_proc.executor.test_int8_activations import _run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs two threads (suite workers run one)
+    try:
+        engine = _engine("fused", num_kv_blocks=400)
+        prompts = [[(7 * i + 13 * j) % 120 + 3 for i in range(750)] for j in range(3)]
+        params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)]
+        for p in prompts:  # warm the prefix cache
+            _run(engine, [p], params)
+        alone = [_run(engine, [p], params)[0] for p in prompts]
+        together = _run(engine, prompts, params * 3)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.runner.num_fused_steps > 0
+    assert together == alone  # tokens and logprobs, exactly
     assert engine.kv.pool.num_free == engine.num_blocks
