@@ -194,7 +194,7 @@ def takes_int8_activations(activations: str, kernel: str, q8_kernel: str) -> boo
     wherever our 4-bit kernels (their strips fit the model's shapes) meet a vector 8-bit kernel;
     "auto" where that was measured faster and as close to the float32 model as llama.cpp
     (python -m engine_proc.bench.decode_quality): the AVX2 4-bit kernel (1.6-1.8x one chat's
-    speed, Zen 1) and the AVX512-BF16 one with VNNI (1.02-1.09x one chat, 1.12x a chat beside
+    speed, Zen 1) and the AVX512-BF16 one with VNNI (0.98-1.09x one chat, 1.12x a chat beside
     16 others, Zen 4); not where the 8-bit kernel is AVX2 beside the AVX512-BF16 kernel (no
     such CPU measured)."""
     vector_q8 = q8_kernel != "portable"
