@@ -29,6 +29,7 @@ from typing import Any
 from app.supervisor import (
     APP_DECODE_ACTIVATIONS,
     DECODE_ACTIVATIONS,
+    DECODE_ACTIVATIONS_HELP,
     DECODE_WEIGHTS,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -105,10 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model's own precision; auto (the default): int4 on a CPU, dense on a GPU (remembered)",
     )
     g.add_argument("--decode-activations", default=None, choices=DECODE_ACTIVATIONS,
-                   help="auto (the default): int8 where our 4-bit kernels run (AVX2, AVX-512 with "
-                   "bf16 and VNNI), else exact; int8: 8-bit activations, llama.cpp's arithmetic, "
-                   "1.6-1.7x faster replies on AVX2 CPUs; exact: replies are the 4-bit model's "
-                   "own (remembered)")
+                   help=f"{DECODE_ACTIVATIONS_HELP} (remembered)")
     g.add_argument("--kv-events-config", type=kv_events_json_arg, default=None, metavar="JSON",
                    help="the engine also publishes KV cache events in vLLM's format: vLLM's "
                    "--kv-events-config JSON (docs/PROTOCOL.md)")  # fmt: skip

@@ -18,6 +18,7 @@ from typing import IO, Any
 from app.supervisor import (
     APP_DECODE_ACTIVATIONS,
     DECODE_ACTIVATIONS,
+    DECODE_ACTIVATIONS_HELP,
     DECODE_WEIGHTS,
     EngineOptions,
     EngineSupervisor,
@@ -52,10 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--decode-activations", default=APP_DECODE_ACTIVATIONS,
                    choices=DECODE_ACTIVATIONS,
-                   help="auto (default): int8 where our 4-bit kernels run (AVX2, AVX-512 with "
-                   "bf16 and VNNI), else exact; int8: 8-bit activations, llama.cpp's arithmetic, "
-                   "1.6-1.7x faster replies on AVX2 CPUs; exact: replies are the 4-bit model's "
-                   "own")
+                   help=DECODE_ACTIVATIONS_HELP)
     g.add_argument(
         "--engine-args", default="", help='more `serve` options, e.g. "--num-blocks 512"'
     )

@@ -29,6 +29,7 @@ from app.router.deployment import DisaggKeeper, DisaggLink
 from app.supervisor import (
     APP_DECODE_ACTIVATIONS,
     DECODE_ACTIVATIONS,
+    DECODE_ACTIVATIONS_HELP,
     DECODE_WEIGHTS,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -87,10 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--decode-activations", default=APP_DECODE_ACTIVATIONS,
                    choices=DECODE_ACTIVATIONS,
-                   help="auto (default): int8 where our 4-bit kernels run (AVX2, AVX-512 with "
-                   "bf16 and VNNI), else exact; int8: 8-bit activations, llama.cpp's arithmetic, "
-                   "1.6-1.7x faster replies on AVX2 CPUs; exact: replies are the 4-bit model's "
-                   "own")
+                   help=DECODE_ACTIVATIONS_HELP)
     e.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES)
     e.add_argument("--kv-host-memory", type=int, default=None, help="host KV tier, bytes")
     e.add_argument("--kv-disk-dir", default=None, help="disk KV tier directory (persists)")

@@ -71,7 +71,7 @@ from app.bench.workloads import (
     expand_workloads,
     make_workload,
 )
-from app.supervisor import DTYPES
+from app.supervisor import APP_DECODE_ACTIVATIONS, DECODE_ACTIVATIONS, DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode weights of the engine processes the kvscope-zmq/-http and "
                     "disaggregation runs spawn (auto: the app's CPU default, 4-bit weights and "
                     "the fused decode step)")
-    ap.add_argument("--engine-decode-activations", default="auto",
-                    choices=("auto", "exact", "int8"),
+    ap.add_argument("--engine-decode-activations", default=APP_DECODE_ACTIVATIONS,
+                    choices=DECODE_ACTIVATIONS,
                     help="the fused decode step's arithmetic in every KVScope engine of the run "
                     "(auto, the app's: int8 where our 4-bit kernels run; kvscope-exact runs "
                     "exact beside kvscope in the streams workloads anyway)")
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
               f"over baseline (for latencies: baseline over kvscope; streaming: kvscope-http "
               f"over kvscope-zmq; KV tiers: the tier system against recomputing; int8 KV: "
               f"kvscope-kvint8 over the model-dtype KV), medians over repeats")
-    if args.engine_decode_activations != "auto":  # (every KVScope engine of the run)
+    if args.engine_decode_activations != APP_DECODE_ACTIVATIONS:  # every KVScope engine
         header += (f"; every KVScope engine with --decode-activations "
                    f"{args.engine_decode_activations}, kvscope's columns included")
     text = [header]

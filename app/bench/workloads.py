@@ -20,6 +20,7 @@ from app.bench.spec_workloads import (
     spec_group,
     spec_level,
 )
+from app.supervisor import APP_DECODE_ACTIVATIONS
 
 # N concurrent greedy streams, all arriving at once, for N in Sizes.streams_levels: one workload
 # per N (each its own fresh process per system, like every workload), `streams` names them all.
@@ -49,9 +50,8 @@ WORKLOAD_SYSTEMS = {
 # kvscope's decode weights in the streams workloads: what the app runs on a CPU by default
 # (`auto`: 4-bit copies for steps of at most 16 tokens where supported, else dense).
 STREAMS_DECODE_WEIGHTS = "auto"
-# ...and its arithmetic: `auto`, 8-bit activations where our 4-bit kernels run
-# (app.supervisor's APP_DECODE_ACTIVATIONS)
-STREAMS_DECODE_ACTIVATIONS = "auto"
+# ...and its arithmetic: the app's (8-bit activations where our 4-bit kernels run)
+STREAMS_DECODE_ACTIVATIONS = APP_DECODE_ACTIVATIONS
 # ...and the decode step the app uses with them (engine_proc/executor/fused_decode.py; built once,
 # cached)
 STREAMS_DECODE_STEP = "fused"
