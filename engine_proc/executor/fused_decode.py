@@ -64,6 +64,9 @@ INT4_KERNELS = ("torch", "portable", "avx512_bf16", "avx2_fp32")
 # 8-bit-activation kernels of wide steps' products (the C++ Q8Kernel enum, in order); the
 # fused step runs the fastest compiled in (module.best_q8_kernel()).
 Q8_KERNELS = ("portable", "avx2", "avx512_vnni")
+# Attention kernels of one chunk of a row (the C++ AttendKernel enum, in order, attention_regs.h):
+# the step runs AVX-512's where it fits the heads, else AVX2's, else the generic one.
+ATTEND_KERNELS = ("generic", "avx2", "avx512")
 # The products of wide steps on 8-bit activations, by 4-bit kernel and the 8-bit kernel that
 # runs them (none where the 8-bit kernel would be slower than the 4-bit one: the AVX2 kernel
 # on AVX512-BF16 CPUs). Measured with the parity prompts twice over in 16-row steps (replies
@@ -228,6 +231,8 @@ class FusedDecodeStep:
     # decode_activations="int8": every step's four products (and the 8-bit head) on 8-bit
     # activations, precise_rows 0
     int8_activations: bool = False
+    # the attention kernel forced (one of ATTEND_KERNELS); None: the fastest that fits the heads
+    attention_kernel: str | None = None
 
     @classmethod
     def create(
@@ -236,18 +241,24 @@ class FusedDecodeStep:
         module: ModuleType,
         int4_kernel: str | None = None,
         attention_chunks: int = 0,
+        attention_kernel: str | None = None,
         q8_activations: bool = True,
         activations: str = "exact",
     ) -> FusedDecodeStep:
         """int4_kernel: one of INT4_KERNELS; None picks avx512_bf16 where it can run.
         attention_chunks: key chunks per sequence attended in parallel and merged; 0 picks by
         context length and thread count (tests force the merge with more).
+        attention_kernel: one of ATTEND_KERNELS; None runs the fastest that fits the heads
+        (tests run the others).
         q8_activations: wide steps quantize the activations of the Q8_PRODUCTS to 8 bits
         (int4_q8_kernels.h), as llama.cpp does; False keeps the 4-bit kernel's products.
         activations: "int8" puts every step's four products on 8-bit activations where a
         vector 8-bit kernel is compiled in (EngineConfig.decode_activations), and says so where
         none is; "auto" does the same silently; "exact" as above."""
         c = model.config
+        if attention_kernel is not None and attention_kernel not in ATTEND_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {ATTEND_KERNELS} or None, got "
+                             f"{attention_kernel!r}")  # fmt: skip
         kernel = int4_kernel or pick_int4_kernel(model, module)
         if kernel not in INT4_KERNELS:
             raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {kernel!r}")
@@ -275,6 +286,7 @@ class FusedDecodeStep:
             tensors, model.embed, rotary.cos, rotary.sin, none if local is None else local.cos,
             none if local is None else local.sin, c.num_heads, c.num_kv_heads, c.head_dim,
             c.rms_norm_eps, INT4_KERNELS.index(kernel), block or 64, attention_chunks,
+            -1 if attention_kernel is None else ATTEND_KERNELS.index(attention_kernel),
             float(model.embed_scale or 0.0), float(model.scale), c.hidden_act == "gelu_tanh",
             [layer.window or 0 for layer in model.layers],
             [layer.kv_group for layer in model.layers], [layer.kv_slot for layer in model.layers],
@@ -287,7 +299,7 @@ class FusedDecodeStep:
         prompt_tokens = FUSED_PROMPT_TOKENS if kernel in ("avx512_bf16", "avx2_fp32") else 0
         return cls(model, module, decoder, kernel, q8_products=q8_products, q8_kernel=q8_kernel,
                    max_prompt_tokens=prompt_tokens, precise_rows=0 if int8 else PRECISE_ROWS,
-                   int8_activations=int8)  # fmt: skip
+                   int8_activations=int8, attention_kernel=attention_kernel)  # fmt: skip
 
     @staticmethod
     def can_run(meta: AttentionMetadata) -> bool:

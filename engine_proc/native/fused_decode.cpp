@@ -3,7 +3,7 @@
 // over the paged KV cache, in a single call from
 // Python: what the eager path does with ~40 torch operators per layer (each a Python dispatch
 // of a few microseconds on vectors of a few hundred floats) runs here as plain loops around the
-// 4-bit products (int4_kernels.h), attention (attention.h) and the output projection
+// 4-bit products (int4_kernels.h), attention (attention.h, attention_regs.h) and the output projection
 // (head_kernels.h). Built at run time by engine_proc/fused_decode.py.
 //
 // Float32 throughout (hidden states, RMSNorm, rotary, attention over a float32 or float16 KV
@@ -13,7 +13,7 @@
 // int4_kernels.h). The caller picks per step. Fast steps take 8-bit activations instead in the
 // products whose weights come with strips (int4_q8_kernels.h; which: fused_decode.py).
 
-#include "attention.h"
+#include "attention_regs.h"
 #include "common.h"
 #include "head_kernels.h"
 #include "head_q8_kernels.h"
@@ -77,7 +77,8 @@ class FusedDecoder {
   FusedDecoder(const std::vector<at::Tensor>& tensors, at::Tensor embed, at::Tensor cos,
                at::Tensor sin, at::Tensor local_cos, at::Tensor local_sin, int64_t heads,
                int64_t kv_heads, int64_t head_dim, double eps, int64_t int4_kernel,
-               int64_t pack_block, int64_t attention_chunks, double embed_scale,
+               int64_t pack_block, int64_t attention_chunks, int64_t attention_kernel,
+               double embed_scale,
                double attn_scale, bool gelu, const std::vector<int64_t>& layer_windows,
                const std::vector<int64_t>& layer_groups, const std::vector<int64_t>& layer_slots)
       : embed_(std::move(embed)), cos_(std::move(cos)), sin_(std::move(sin)),
@@ -85,6 +86,7 @@ class FusedDecoder {
         local_sin_(local_sin.numel() > 0 ? std::move(local_sin) : sin_), heads_(heads),
         kv_heads_(kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
         int4_kernel_(int4_kernel), pack_block_(pack_block), attention_chunks_(attention_chunks),
+        attention_kernel_(attention_kernel),
         embed_scale_(static_cast<float>(embed_scale)), attn_scale_(static_cast<float>(attn_scale)),
         gelu_(gelu) {
     constexpr size_t kPerLayer = 26;  // see fused_decode.py: layer_tensors
@@ -111,6 +113,13 @@ class FusedDecoder {
     TORCH_CHECK(local_cos_.is_contiguous() && local_cos_.scalar_type() == at::kFloat &&
                     local_cos_.sizes() == cos_.sizes(), "local cos: float32, as cos");
     TORCH_CHECK(head_dim_ <= kMaxHeadDim, "head_dim up to ", kMaxHeadDim, ", got ", head_dim_);
+    TORCH_CHECK(attention_kernel_ >= -1 && attention_kernel_ <= 2,
+                "attention_kernel must be -1 (the best that fits), 0, 1 or 2, got ", attention_kernel_);
+    const StepShape shape{heads_, kv_heads_, head_dim_, 1, 1, 1.f};
+    TORCH_CHECK(attention_kernel_ < 0 ||
+                    attend_chunk_for<float>(static_cast<AttendKernel>(attention_kernel_), shape),
+                "attention kernel ", attention_kernel_, " is not compiled in or does not fit heads of ",
+                head_dim_, " x ", heads_ / kv_heads_, " per KV head");
   }
 
   // token ids [rows] -> final-norm hidden states [rows, hidden], float32. slots and
@@ -277,7 +286,9 @@ class FusedDecoder {
     const int64_t grain = total < kForkWork && chunks == 1 ? rows : 1;
     std::vector<Partial> part(rows * chunks * s.heads);
     std::vector<float> acc(rows * chunks * hd);
-    const auto attend = pick_attend_chunk<T>(s);
+    const auto attend = attention_kernel_ < 0
+                            ? pick_attend_chunk<T>(s)
+                            : attend_chunk_for<T>(static_cast<AttendKernel>(attention_kernel_), s);
     at::parallel_for(0, rows * chunks, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores;
       for (int64_t t = t0; t < t1; ++t) {
@@ -307,6 +318,7 @@ class FusedDecoder {
   int64_t int4_kernel_;
   int64_t pack_block_;        // columns per block of torch's packed 4-bit layout (64 or 32)
   int64_t attention_chunks_;  // key chunks per row; 0: by context length and threads
+  int64_t attention_kernel_;  // an AttendKernel; -1: the fastest that fits (tests pick others)
   float embed_scale_;         // Gemma's sqrt(hidden); 0: none
   float attn_scale_;          // 1/sqrt(head_dim), or Gemma's query_pre_attn_scalar's
   bool gelu_;                 // GELU-tanh MLP (Gemma), else SiLU
@@ -337,12 +349,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<const std::vector<at::Tensor>&, at::Tensor, at::Tensor, at::Tensor,
                           at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, int64_t,
-                          int64_t, int64_t, double, double, bool, const std::vector<int64_t>&,
+                          int64_t, int64_t, int64_t, double, double, bool, const std::vector<int64_t>&,
                           const std::vector<int64_t>&, const std::vector<int64_t>&>())
       .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("bf16_logits", &bf16_logits, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_avx512_bf16", &has_avx512_bf16);
   m.def("has_avx2", &has_avx2);
+  m.def("attend_chunk_kernel", &attend_chunk_kernel, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("best_q8_kernel", &best_q8_kernel_index);
   m.def("q8_kernel_compiled", &q8_kernel_index_compiled);
   m.def("int4_mm", &int4_mm_kernel, pybind11::call_guard<pybind11::gil_scoped_release>());

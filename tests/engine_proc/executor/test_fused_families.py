@@ -148,9 +148,15 @@ def test_fused_steps_compute_transformers_forward(
         return hidden
 
     monkeypatch.setattr(fd.FusedDecodeStep, "forward_rows", recording)
+    create = fd.FusedDecodeStep.create
     for kernel in _kernels(extension):
         native, budget = PRECISE_KERNELS[kernel]
         monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda native=native: native)
+        # the AVX2 family whole: its attention kernel too, where AVX-512's would run
+        attention = "avx2" if kernel == "avx2_fp32" and extension.has_avx2() else None
+        monkeypatch.setattr(fd.FusedDecodeStep, "create", classmethod(
+            lambda cls, *a, attention=attention, **kw: create(*a, attention_kernel=attention, **kw)
+        ))  # fmt: skip
         engine = _engine(path, "fused", block_size)
         if "layer_types" in params or arch == "gemma3":  # the hybrid cache: sliding groups
             assert engine.runner.layout is not None and engine.runner.layout.is_hybrid
@@ -159,7 +165,7 @@ def test_fused_steps_compute_transformers_forward(
         assert engine.kv_layout.has_sliding_groups == ("sliding_window" in params)
         step = engine.runner.fused.step
         assert engine.runner.fused.state == "fused" and step is not None
-        assert step.int4_kernel == kernel
+        assert step.int4_kernel == kernel and step.attention_kernel == attention
         rows.clear()
         (out,) = engine.generate([PROMPT], GREEDY)
         # the prompt (as fused rows where it fits in one chunk) and every decode step ran fused
