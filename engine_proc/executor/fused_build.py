@@ -34,7 +34,13 @@ T = TypeVar("T")
 NATIVE = Path(__file__).parent.parent / "native"
 SOURCE = NATIVE / "fused_decode.cpp"  # includes the headers beside it
 
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+NATIVE_ARCH = "native"  # -march: this CPU's instructions (tests also build for "haswell": AVX2)
+
+
+def cflags(arch: str = NATIVE_ARCH) -> list[str]:
+    return ["-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno"]
+
+
 LOCK_NAME = "kvscope.lock"  # ours, held by the building process (build_lock.py)
 DONE_NAME = "built"  # written once a build finished: a start finding it loads at once
 _lock = threading.Lock()
@@ -57,10 +63,10 @@ def read_sources() -> dict[str, str]:
     return {f.name: f.read_text(encoding="utf-8") for f in sorted(NATIVE.glob("*.[ch]*"))}
 
 
-def build_key(sources: dict[str, str] | None = None) -> str:
+def build_key(sources: dict[str, str] | None = None, arch: str = NATIVE_ARCH) -> str:
     """What the compiled module depends on: source, torch, flags, and the CPU (-march=native)."""
     texts = list((sources or read_sources()).values())
-    parts = [*texts, torch.__version__, " ".join(_CFLAGS), " ".join(sorted(cpu_flags()))]
+    parts = [*texts, torch.__version__, " ".join(cflags(arch)), " ".join(sorted(cpu_flags()))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -73,19 +79,21 @@ def build_dir(key: str) -> Path:
     return tokenizers.parent / "native" / f"fused_decode_{key}"
 
 
-def load_extension() -> ModuleType:
+def load_extension(arch: str = NATIVE_ARCH) -> ModuleType:
     """Compile (or load the cached build of) the extension; raises when it cannot be built.
     One process builds a directory at a time (build_lock.py); a start that finds another
-    building waits for it, then loads its build (or builds itself when that one was killed)."""
+    building waits for it, then loads its build (or builds itself when that one was killed).
+    arch: GCC's -march; the engine's is this CPU's, tests build "haswell" too (the AVX2 kernels
+    an AVX-512 build leaves out, run on the CPU at hand)."""
     sources = read_sources()
-    key = build_key(sources)
+    key = build_key(sources, arch)
     with _lock:
         if key in _loaded:
             return _loaded[key]
         directory = build_dir(key)
         directory.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        module = locked_build(directory, lambda d: _compile(d, key, sources))
+        module = locked_build(directory, lambda d: _compile(d, key, sources, arch))
         logger.info("fused decode step loaded in %.1f s (%s)", time.perf_counter() - t0, directory)
         _loaded[key] = module
         return module
@@ -100,13 +108,13 @@ def locked_build(directory: Path, build: Callable[[Path], T]) -> T:
         return result
 
 
-def _compile(directory: Path, key: str, sources: dict[str, str]) -> ModuleType:
+def _compile(directory: Path, key: str, sources: dict[str, str], arch: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     return cpp_extension.load(
         name=f"kvscope_fused_decode_{key}",
         sources=[str(staged_sources(directory, sources) / SOURCE.name)],
-        extra_cflags=_CFLAGS,
+        extra_cflags=cflags(arch),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         verbose=False,

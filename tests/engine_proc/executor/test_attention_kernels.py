@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from engine_proc.executor import fused_decode as fd
+from tests.engine_proc.executor import extension_builds
+
+# each build: this CPU's, and Haswell's where this CPU has AVX-512 (extension_builds.py)
+extension = extension_builds.extension_fixture()
 
 BLOCK = 16
 

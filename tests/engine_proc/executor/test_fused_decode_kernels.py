@@ -11,8 +11,12 @@ import torch
 
 from engine_proc.executor import fused_decode as fd
 from engine_proc.models.int4 import int4_kernels_available, quantize_int4
+from tests.engine_proc.executor import extension_builds
 from tests.engine_proc.models.test_int4 import assert_within, q4_1_matrix
 from tests.float64_llama import bf16_round, bf16_ulp
+
+# each build: this CPU's, and Haswell's where this CPU has AVX-512 (extension_builds.py)
+extension = extension_builds.extension_fixture()
 
 pytestmark = pytest.mark.skipif(
     not int4_kernels_available(), reason="this torch build has no int4 CPU kernels"

@@ -9,9 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine_proc.executor import extension_builds
 from tests.engine_proc.executor.test_fused_decode_kernels import q8_matrix
 from tests.engine_proc.executor.test_int4_q8_kernels import quantize_groups
 from tests.engine_proc.models.test_int4 import assert_within
+
+# each build: this CPU's, and Haswell's where this CPU has AVX-512 (extension_builds.py)
+extension = extension_builds.extension_fixture()
 
 pytestmark = pytest.mark.slow
 

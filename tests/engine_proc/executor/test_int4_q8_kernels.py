@@ -11,11 +11,15 @@ import torch
 
 from engine_proc.executor import fused_decode as fd
 from engine_proc.models.int4 import int4_kernels_available, quantize_int4
+from tests.engine_proc.executor import extension_builds
 from tests.engine_proc.executor.test_fused_decode_kernels import (
     snapped_to_float16_q4_1,
     unpack_codes,
 )
 from tests.engine_proc.models.test_int4 import assert_within, q4_1_matrix
+
+# each build: this CPU's, and Haswell's where this CPU has AVX-512 (extension_builds.py)
+extension = extension_builds.extension_fixture()
 
 pytestmark = [
     pytest.mark.skipif(
