@@ -165,6 +165,17 @@ inline void weigh_heads_values_avx2(int64_t heads, const float* p, int64_t p_str
   }
 }
 
+// Every line of a block of the cache (the next one, while this one is computed): blocks are
+// scattered, so the hardware prefetcher stops at each block's end, and walking a block's KV
+// heads one at a time reads its lines out of order (from memory: 0.9x the generic kernel's
+// time without this, which reads a block's slots in order).
+template <typename T>
+inline void prefetch_slots(const T* cache, int32_t block, int64_t block_elems) {
+  const char* p = reinterpret_cast<const char*>(cache + static_cast<int64_t>(block) * block_elems);
+  for (int64_t off = 0, bytes = block_elems * static_cast<int64_t>(sizeof(T)); off < bytes; off += 64)
+    _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 // Up to three query heads of a KV head at a time: 12 accumulators and the operands fill the
 // 16 registers AVX2 has.
 constexpr int64_t kAvx2Heads = 3;
@@ -184,6 +195,7 @@ void attend_chunk_avx2(const StepShape& s, const float* q, const T* k_cache, con
   for (int64_t b = b0, j = 0; b < b1 && j < n; ++b, j += bs) {
     const T* block = k_cache + static_cast<int64_t>(table[b]) * block_elems;
     const int64_t m = std::min(bs, n - j);
+    if (b + 1 < b1 && j + m < n) prefetch_slots(k_cache, table[b + 1], block_elems);
     for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh)
       for (int64_t g = 0; g < group; g += kAvx2Heads) {
         const int64_t h = kvh * group + g;
@@ -202,6 +214,7 @@ void attend_chunk_avx2(const StepShape& s, const float* q, const T* k_cache, con
   for (int64_t b = b0, j = 0; b < b1 && j < n; ++b, j += bs) {
     const T* block = v_cache + static_cast<int64_t>(table[b]) * block_elems;
     const int64_t m = std::min(bs, n - j);
+    if (b + 1 < b1 && j + m < n) prefetch_slots(v_cache, table[b + 1], block_elems);
     for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh)
       for (int64_t g = 0; g < group; g += kAvx2Heads) {
         const int64_t h = kvh * group + g;
