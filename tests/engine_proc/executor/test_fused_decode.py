@@ -355,7 +355,8 @@ def test_mixed_steps_run_their_decodes_fused_and_their_prompts_eagerly_or_as_row
 
 
 @pytest.mark.slow
-def test_a_row_computes_the_same_bits_beside_any_other_rows(extension):
+@pytest.mark.parametrize("attention", [None, "avx2"])  # the best that fits; AVX2's, forced
+def test_a_row_computes_the_same_bits_beside_any_other_rows(extension, attention):
     """Attention splits a long context's keys among threads and merges the parts; whether it
     splits a row follows from that row's context alone, so the row's logits are bit for bit
     what they would be alone: how a speculative step's verification rows give plain decoding's
@@ -365,10 +366,16 @@ def test_a_row_computes_the_same_bits_beside_any_other_rows(extension):
     as fused rows alike in both runs."""
     from tests.engine_proc.executor.test_int8_activations import _run
 
+    if attention == "avx2" and not extension.has_avx2():
+        pytest.skip("not an AVX2 build")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the split needs two threads (suite workers run one)
     try:
         engine = _engine("fused", num_kv_blocks=400)
+        if attention is not None:
+            step = fd.FusedDecodeStep.create(engine.model, extension, attention_kernel=attention)
+            fused_head.use_head_kernel(engine.model, extension, step)
+            engine.runner.fused.step = step
         prompts = [[(7 * i + 13 * j) % 120 + 3 for i in range(750)] for j in range(3)]
         params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)]
         for p in prompts:  # warm the prefix cache
