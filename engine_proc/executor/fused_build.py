@@ -38,6 +38,7 @@ NATIVE_ARCH = "native"  # -march: this CPU's instructions (tests also build for 
 
 
 def cflags(arch: str = NATIVE_ARCH) -> list[str]:
+    """The compiler's flags for a build whose instructions are GCC's -march=arch."""
     return ["-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno"]
 
 
@@ -64,7 +65,7 @@ def read_sources() -> dict[str, str]:
 
 
 def build_key(sources: dict[str, str] | None = None, arch: str = NATIVE_ARCH) -> str:
-    """What the compiled module depends on: source, torch, flags, and the CPU (-march=native)."""
+    """What the compiled module depends on: source, torch, flags (-march=arch), and the CPU."""
     texts = list((sources or read_sources()).values())
     parts = [*texts, torch.__version__, " ".join(cflags(arch)), " ".join(sorted(cpu_flags()))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
