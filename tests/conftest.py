@@ -172,10 +172,9 @@ def async_sdk(server):
 
 @pytest.fixture(scope="module")
 def extension():
-    """The fused decode step's compiled extension (built once into the suite's cache dir)."""
+    """The fused decode step's compiled extension (built once into the suite's cache dir), or a
+    skip where this machine cannot build it (like the CUDA tests: the engine says so)."""
     from engine_proc.executor import fused_build
+    from tests.engine_proc.executor import extension_builds
 
-    why = fused_build.build_unavailable_reason()
-    if why is not None:  # like the CUDA tests: this machine cannot build it (the engine says so)
-        pytest.skip(f"the fused decode step {why}; the engine decodes eagerly")
-    return fused_build.load_extension()
+    return extension_builds.build(fused_build.NATIVE_ARCH)
