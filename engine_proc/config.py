@@ -33,10 +33,12 @@ class SpeculativeConfig:
     match of two tokens or fewer drafts one token where longer ones were looked for (unlike
     vLLM, which always drafts k: ngram.py SHORT_MATCH says why). "draft_model" (implied by a
     "model" key): a smaller model with the same tokenizer runs ahead greedily
-    (engine_proc/spec_decode/draft_model.py)."""
+    (engine_proc/spec_decode/draft_model.py). num_speculative_tokens is the most drafts a
+    step verifies for a sequence: each sequence's draft length grows after its drafts were all
+    right and halves after some were not (engine_proc/spec_decode/draft_length.py)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # vLLM's key: no drafts while more than this many sequences run (0: never disabled)

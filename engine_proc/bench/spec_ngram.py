@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine_proc.bench.spec_ngram")
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens per stream")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens (the most a step "
+                    "verifies; each sequence's draft length adapts below it)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of each setting")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,

@@ -76,6 +76,10 @@ class Sequence:
     spec_mark: int = -1
     spec_misses: int = 0
     spec_skip: int = 0
+    # Its draft length (spec_decode/draft_length.py; 0: not drafted yet) and how many drafts
+    # the step at spec_mark proposed.
+    spec_length: int = 0
+    spec_drafted: int = 0
     # ... and what became of them: drafts verified and confirmed over the sequence's life (its
     # Finish reports them), and its latest speculative step until a snapshot shows it once.
     num_draft_tokens: int = 0

@@ -9,6 +9,7 @@ from engine_proc.config import EngineConfig, SpeculativeConfig
 from engine_proc.core.kv_groups import KVLayout
 from engine_proc.core.request import Sequence
 from engine_proc.engine.parts import EngineParts
+from engine_proc.spec_decode.draft_length import first_draft_length, next_draft_length
 from engine_proc.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
 from engine_proc.spec_decode.ngram import NgramProposer
 from engine_proc.structured.draft import DraftGrammars
@@ -17,9 +18,12 @@ logger = logging.getLogger(__name__)
 
 Proposer = NgramProposer | DraftModelProposer
 # After n speculative steps in a row that accepted none of a sequence's drafts, it skips the
-# next min(2**n - 1, MAX_SKIP) chances to draft: on text its drafts do not predict, a proposer
-# (a draft model above all) and the verification of wrong drafts cost time for nothing; one
-# accepted draft resets it.
+# next min(2**(n - 1) - 1, MAX_SKIP) chances to draft: on text its drafts do not predict, a
+# proposer (a draft model above all) and the verification of wrong drafts cost time for
+# nothing; one accepted draft resets it. Not after one miss: the draft length has halved
+# already (draft_length.py), and a lone wrong guess from a two-token match is common in text
+# that prompt lookup predicts well a few tokens later (replayed on the spec-ngram prompts, Zen
+# 1's step costs: code edit 1.31x with a skip after every miss, 1.39x without it).
 MAX_SKIP = 15
 
 
@@ -95,8 +99,9 @@ class Speculation(EngineParts):
         elif self._batch_too_wide() or not self._may_speculate(seq) or self._backing_off(seq):
             return []
         else:
-            drafts = proposer.propose(seq.token_ids, k)
+            drafts = proposer.propose(seq.token_ids, min(k, self._draft_length(seq)))
         seq.spec_mark = seq.num_tokens if drafts else -1
+        seq.spec_drafted = len(drafts)
         return drafts
 
     def _draft_room(self, seq: Sequence, k: int) -> int:
@@ -108,16 +113,26 @@ class Speculation(EngineParts):
             return k
         return max(0, min(k, original - seq.num_tokens))
 
-    @staticmethod
-    def _backing_off(seq: Sequence) -> bool:
+    def _draft_length(self, seq: Sequence) -> int:
+        """How many drafts seq proposes now (spec_decode/draft_length.py)."""
+        assert self.proposer is not None
+        if seq.spec_length == 0:
+            seq.spec_length = first_draft_length(self.proposer.num_speculative_tokens)
+        return seq.spec_length
+
+    def _backing_off(self, seq: Sequence) -> bool:
         """Whether seq skips this chance to draft (MAX_SKIP), after learning from its tokens
         how its last drafts fared: a step that accepted a of them added a + 1 tokens."""
         if seq.spec_mark >= 0 and seq.num_tokens > seq.spec_mark:  # that step ran
-            if seq.num_tokens - seq.spec_mark - 1 > 0:
+            accepted = seq.num_tokens - seq.spec_mark - 1
+            if accepted > 0:
                 seq.spec_misses = 0
             else:
                 seq.spec_misses += 1
-                seq.spec_skip = min(2**seq.spec_misses - 1, MAX_SKIP)
+                seq.spec_skip = min(2 ** (seq.spec_misses - 1) - 1, MAX_SKIP)
+            most = self.proposer.num_speculative_tokens if self.proposer is not None else 1
+            seq.spec_length = next_draft_length(self._draft_length(seq), seq.spec_drafted,
+                                                min(accepted, seq.spec_drafted), most)
         seq.spec_mark = -1
         if seq.spec_skip > 0:
             seq.spec_skip -= 1
@@ -140,7 +155,8 @@ class Speculation(EngineParts):
             if not self._may_speculate(seq) or self._backing_off(seq):
                 continue
             k = self._draft_room(seq, min(seq.params.max_tokens - seq.num_output_tokens - 1,
-                                          seq.max_total_tokens - seq.num_tokens - 1))
+                                          seq.max_total_tokens - seq.num_tokens - 1,
+                                          self._draft_length(seq)))
             wanted.append((seq, k))
         proposer.prepare(wanted, self.scheduler.running)
 

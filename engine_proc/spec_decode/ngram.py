@@ -1,8 +1,10 @@
 """Prompt-lookup (n-gram) drafts: a sequence that is repeating text it already holds (code edits,
 quotes, summaries of the prompt) most likely goes on as it did the last time. For n from
 prompt_lookup_max down to prompt_lookup_min, the latest earlier occurrence of the sequence's last
-n tokens is found, and the (up to) k tokens that followed it are the drafts; from a match of
-SHORT_MATCH tokens or fewer, only the first of them (when longer matches were looked for)."""
+n tokens is found, and the k tokens that followed it are the drafts (where the match runs into
+the sequence's end, they go on repeating it); from a match of SHORT_MATCH tokens or fewer, only
+the first of them (when longer matches were looked for). How many k is, the engine decides per
+sequence (draft_length.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,13 @@ class NgramProposer:
             return []
         if n <= SHORT_MATCH < self.prompt_lookup_max:
             k = 1
-        return tokens[start + n : start + n + k].tolist()
+        drafts = tokens[start + n : start + n + k].tolist()
+        # A match that runs into the end is a repeat d tokens apart (a loop, rows of a table):
+        # its continuation is the drafts' own, d back (an overlapping copy, as in LZ77).
+        d = tokens.shape[0] - start - n
+        while len(drafts) < k:
+            drafts.append(drafts[len(drafts) - d])
+        return drafts
 
 
 def find_match(tokens: np.ndarray, n_min: int, n_max: int) -> tuple[int, int]:

@@ -68,11 +68,12 @@ KV_DISK_CHOICES = (
 )
 SPEC_CHOICES = (
     (0, "Off", "one token per step per reply"),
-    (2, "2 draft tokens", "propose 2 tokens (by prompt lookup, or from the draft model), "
-     "verified in one forward pass of the model: exact"),
-    (4, "4 draft tokens", "as above with 4: more to gain where drafts are often right "
-     "(replies that repeat their input, a good draft model)"),
-    (8, "8 draft tokens", "as above with 8"),
+    (2, "Up to 2 draft tokens", "propose up to 2 tokens (by prompt lookup, or from the draft "
+     "model), verified in one forward pass of the model: exact; each reply drafts more after "
+     "its drafts were right and fewer after they were not"),
+    (4, "Up to 4 draft tokens", "as above with up to 4"),
+    (8, "Up to 8 draft tokens", "as above with up to 8: more to gain where drafts are often "
+     "right in long runs (replies that repeat their input, a good draft model)"),
 )
 assert tuple(c[0] for c in SPEC_CHOICES) == SPECULATIVE_TOKEN_CHOICES
 KV_HOST_TIP = ("prefix blocks evicted from the KV pool are kept in this much host memory and "
@@ -268,7 +269,7 @@ class EngineOptionMenus:
         if path is not None and not self.w.source.options.speculative_tokens:
             changes["speculative_tokens"] = 4
             persist["engine/speculative_tokens"] = 4
-            note = "speculative decoding turned on with 4 draft tokens"
+            note = "speculative decoding turned on with up to 4 draft tokens"
         self.change_options("the draft model", changes, persist, note)
 
     def _sync_proposer(self) -> None:

@@ -15,7 +15,10 @@ def brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
         for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
             if tokens[start : start + n] == suffix:
                 short = n <= SHORT_MATCH and n_max > SHORT_MATCH
-                return tokens[start + n : start + n + (1 if short else k)]
+                future = list(tokens)  # the sequence going on as it did after the match
+                for i in range(1 if short else k):
+                    future.append(future[start + n + i])
+                return future[len(tokens) :]
     return []
 
 
@@ -52,3 +55,12 @@ def test_a_short_match_drafts_one_token_where_longer_ones_were_looked_for() -> N
     assert NgramProposer(4, 4, 1).propose([2, 8, 9, 6, 2]) == [8]  # one token matched
     # a proposer told to match two tokens at most keeps all its drafts
     assert NgramProposer(4, 2, 2).propose([4, 1, 2, 7, 8, 9, 6, 5, 1, 2]) == [7, 8, 9, 6]
+
+
+def test_a_match_that_runs_into_the_end_drafts_its_repeat() -> None:
+    """A loop (the latest match of "7 8 9" three tokens back): the drafts go on repeating it
+    for all k, not only the tokens that follow the match in the sequence."""
+    p = NgramProposer(8, 3, 1)
+    assert p.propose([1, 7, 8, 9, 7, 8, 9]) == [7, 8, 9, 7, 8, 9, 7, 8]
+    assert NgramProposer(8, 2, 1).propose([5, 5, 5]) == [5] * 8
+    assert p.propose([3, 1, 2, 1, 2, 1, 2], k=5) == [1, 2, 1, 2, 1]
