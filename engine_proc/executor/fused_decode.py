@@ -141,12 +141,15 @@ def pick_int4_kernel(model: LlamaModel, module: ModuleType) -> str:
     return "avx2_fp32" if module.has_avx2() else "torch"
 
 
-def kernel_planes(planes: torch.Tensor, kernel: str) -> torch.Tensor:
+def kernel_planes(planes: torch.Tensor, kernel: str, only_q8: bool = False) -> torch.Tensor:
     """The scale and low planes as ``kernel`` reads them: float16 for the portable and AVX2
     kernels when every value is a float16 (the default model's are its GGUF's Q4_1 d and m),
     the same weights in 20 bytes per 32 instead of 24 (one-row products read memory); else the
-    float32 planes."""
-    if kernel in ("portable", "avx2_fp32"):
+    float32 planes. only_q8: every product of this weight runs on 8-bit activations (their
+    kernels read either), so the AVX512-BF16 kernel, which reads float32 only, never runs it.
+    Measured on Zen 4, the VNNI kernel's one-row steps, same process alternating (1 thread,
+    medians of 4): 8.85 ms with float32 planes, 7.6 with float16 (docs/PERFORMANCE.md)."""
+    if kernel in ("portable", "avx2_fp32") or only_q8:
         half = planes.half()
         if torch.equal(half.float(), planes):
             return half
@@ -158,13 +161,18 @@ StripsOf = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 def _linear(
-    w: Int4Weight | None, bias: torch.Tensor | None, kernel: str, strips: StripsOf | None
+    w: Int4Weight | None,
+    bias: torch.Tensor | None,
+    kernel: str,
+    strips: StripsOf | None,
+    only_q8: bool,
 ) -> list[torch.Tensor]:
     assert w is not None
     b = torch.empty(0) if bias is None else bias.float().contiguous()
     n, k = w.out_features, w.in_features
     s = strips(w.packed, k, n) if strips is not None else torch.empty(0, dtype=torch.uint8)
-    return [w.packed, w.scales_zeros, kernel_planes(w.planes, kernel), b, s]
+    planes = kernel_planes(w.planes, kernel, only_q8 and strips is not None)
+    return [w.packed, w.scales_zeros, planes, b, s]
 
 
 def layer_tensors(
@@ -172,6 +180,7 @@ def layer_tensors(
     kernel: str,
     strips: StripsOf | None = None,
     q8_products: tuple[str, ...] = (),
+    only_q8: bool = False,
 ) -> list[torch.Tensor]:
     """The 26 tensors per layer the C++ side reads, in its order, for ``kernel``; with
     ``strips``, the codes of the ``q8_products`` (names from Q8_PRODUCTS) in the 8-bit-activation
@@ -184,7 +193,7 @@ def layer_tensors(
     }
     tensors = [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
     for name, (w, bias) in products.items():
-        tensors += _linear(w, bias, kernel, strips if name in q8_products else None)
+        tensors += _linear(w, bias, kernel, strips if name in q8_products else None, only_q8)
     # Qwen3's and Gemma 3's per-head q/k RMSNorm weights [head_dim], Gemma's norms of the
     # attention's and the MLP's outputs [hidden]; empty: none
     for norm in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm):
@@ -278,7 +287,9 @@ class FusedDecodeStep:
             q8_products = _ALL
         strips = functools.partial(_strips, module, block)
         tensors = [
-            t for layer in model.layers for t in layer_tensors(layer, kernel, strips, q8_products)
+            t
+            for layer in model.layers
+            for t in layer_tensors(layer, kernel, strips, q8_products, only_q8=int8)
         ]
         rotary, local = model.rotary, model.local_rotary
         none = torch.empty(0)

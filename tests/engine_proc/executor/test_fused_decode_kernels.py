@@ -151,9 +151,12 @@ def test_planes_are_float16_only_where_every_value_is_one():
     # the AVX512-BF16 kernel (and torch's) read float32 planes
     assert fd.kernel_planes(planes, "avx512_bf16") is planes
     assert fd.kernel_planes(planes, "torch") is planes
+    # ... unless every product of the weight runs on 8-bit activations (those kernels read both)
+    assert fd.kernel_planes(planes, "avx512_bf16", only_q8=True).dtype == torch.float16
     inexact = planes.clone()
     inexact[0, 0, 0] = 0.1  # not a float16 value
     assert fd.kernel_planes(inexact, "avx2_fp32") is inexact
+    assert fd.kernel_planes(inexact, "avx512_bf16", only_q8=True) is inexact
 
 
 def snapped_to_float16_q4_1(weight: torch.Tensor) -> torch.Tensor:
