@@ -122,7 +122,9 @@ class Speculation(EngineParts):
 
     def _backing_off(self, seq: Sequence) -> bool:
         """Whether seq skips this chance to draft (MAX_SKIP), after learning from its tokens
-        how its last drafts fared: a step that accepted a of them added a + 1 tokens."""
+        how its last drafts fared (its misses and its draft length): a step that accepted a of
+        them added a + 1 tokens."""
+        assert self.proposer is not None
         if seq.spec_mark >= 0 and seq.num_tokens > seq.spec_mark:  # that step ran
             accepted = seq.num_tokens - seq.spec_mark - 1
             if accepted > 0:
@@ -130,9 +132,9 @@ class Speculation(EngineParts):
             else:
                 seq.spec_misses += 1
                 seq.spec_skip = min(2 ** (seq.spec_misses - 1) - 1, MAX_SKIP)
-            most = self.proposer.num_speculative_tokens if self.proposer is not None else 1
             seq.spec_length = next_draft_length(self._draft_length(seq), seq.spec_drafted,
-                                                min(accepted, seq.spec_drafted), most)
+                                                min(accepted, seq.spec_drafted),
+                                                self.proposer.num_speculative_tokens)
         seq.spec_mark = -1
         if seq.spec_skip > 0:
             seq.spec_skip -= 1

@@ -148,7 +148,7 @@ def kernel_planes(planes: torch.Tensor, kernel: str, only_q8: bool = False) -> t
     float32 planes. only_q8: every product of this weight runs on 8-bit activations (their
     kernels read either), so the AVX512-BF16 kernel, which reads float32 only, never runs it.
     Measured on Zen 4, the VNNI kernel's one-row steps, same process alternating (1 thread,
-    medians of 4): 8.85 ms with float32 planes, 7.6 with float16 (docs/PERFORMANCE.md)."""
+    medians of 4 and 6): 8.96 and 9.54 ms with float32 planes, 7.29 and 8.09 with float16."""
     if kernel in ("portable", "avx2_fp32") or only_q8:
         half = planes.half()
         if torch.equal(half.float(), planes):

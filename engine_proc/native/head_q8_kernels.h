@@ -181,7 +181,7 @@ inline void q8_head_pair_rows(const uint8_t* const* w, const float* const* d, co
   for (; r + 6 <= rows; r += 6) q8_head_rows_vnni<6, 2>(w, d, h, r, k, o, ld);
   for (; r + 3 <= rows; r += 3) q8_head_rows_vnni<3, 2>(w, d, h, r, k, o, ld);
   // the last one or two rows one block a pass: a pair's two streams of codes at once made a
-  // one-row pass 1.15-1.2x slower (Zen 4; bitwise the same sums)
+  // one-row pass 1.05-1.2x slower (Zen 4; bitwise the same sums)
   if (r < rows)
     for (int64_t half = 0; half < 2; ++half) {
       const uint8_t* wb[1] = {w[half]};
