@@ -51,10 +51,7 @@ void attend_chunk_regs(const StepShape& s, const float* q, const T* k_cache, con
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
     const int64_t h0 = kvh * G;
     __m512 a[G][V];
-    KVSCOPE_UNROLL
-    for (int g = 0; g < G; ++g)
-      KVSCOPE_UNROLL
-      for (int v = 0; v < V; ++v) a[g][v] = _mm512_setzero_ps();
+    fill_registers(a, _mm512_setzero_ps());
     for_each_key(v_cache, table, b0, b1, n, bs, slot_stride, kvh * d, [&](const T* value, int64_t j) {
       __m512 vr[V];
       KVSCOPE_UNROLL
