@@ -71,6 +71,17 @@ inline __m512 load16(const at::Half* p) {
 #endif
 
 #if KVSCOPE_HAVE_AVX2
+// A running integer sum kept as one: GCC 12 (at least under -march=znver1) rewrote a chain of
+// sum += product into all of a group's products first, spilled to the stack, then the adds
+// (177 stack accesses in the 4-row 8-bit kernel); an empty asm it cannot see through pins each
+// partial sum in a register where the code computes it.
+inline __m256i pin(__m256i v) {
+#if defined(__GNUC__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
 // Eight scales or lows from float32 or float16 values (F16C: exact widening).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) {

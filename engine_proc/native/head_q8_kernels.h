@@ -151,8 +151,8 @@ void q8_head_rows_avx2(const uint8_t* const* u, const float* const* d, const Q8H
         const __m256i x = _mm256_set1_epi32(quad), ax = _mm256_abs_epi8(x);
         KVSCOPE_UNROLL
         for (int i = 0; i < 2 * B; ++i)
-          sums[r][i] = _mm256_add_epi32(
-              sums[r][i], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], x)), ones));
+          sums[r][i] = pin(_mm256_add_epi32(
+              sums[r][i], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], x)), ones)));
       }
     }
     KVSCOPE_UNROLL

@@ -176,8 +176,8 @@ void int4_strip_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, int64
         int32_t quad;
         std::memcpy(&quad, a.codes.data() + (row0 + r) * k + g * kGroupSize + 4 * q, 4);
         const __m256i xb = _mm256_set1_epi32(quad);
-        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(lo, xb));
-        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(hi, xb));
+        sums[r][0] = pin(_mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(lo, xb)));
+        sums[r][1] = pin(_mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(hi, xb)));
       }
     }
     const __m256 scale[2] = {load8(planes + 2 * g * n + col), load8(planes + 2 * g * n + col + 8)};
@@ -199,19 +199,27 @@ void int4_strip_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, int64
   for (int r = 0; r < R; ++r) std::memcpy(out + (row0 + r) * n + col, acc[r], sizeof(acc[r]));
 }
 
-// Every row over one strip: four at a time (measured at 16 rows: four and six alike, 1.9x the
-// float32 tiles), then the rest.
+// Every row over one strip, in passes of at most kAvx2Rows rows as even as they come (9 rows
+// 5 + 4, not 4 + 4 + 1: a pass of one row reloads and unpacks the strip's codes for little).
+constexpr int64_t kAvx2Rows = 6;
+
 template <typename P>
 void int4_strip_rows_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t rows,
                         int64_t k, int64_t n, int64_t col, float* out) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) int4_strip_q8<4>(strip, planes, a, r, k, n, col, out, r == 0);
-  const bool first = r == 0;
-  switch (rows - r) {
-    case 3: int4_strip_q8<3>(strip, planes, a, r, k, n, col, out, first); break;
-    case 2: int4_strip_q8<2>(strip, planes, a, r, k, n, col, out, first); break;
-    case 1: int4_strip_q8<1>(strip, planes, a, r, k, n, col, out, first); break;
-    default: break;
+  const int64_t passes = (rows + kAvx2Rows - 1) / kAvx2Rows;
+  for (int64_t p = 0, r = 0; p < passes; ++p) {
+    const int64_t take = (rows - r + passes - p - 1) / (passes - p);
+    const bool first = p == 0;
+    switch (take) {
+      case 6: int4_strip_q8<6>(strip, planes, a, r, k, n, col, out, first); break;
+      case 5: int4_strip_q8<5>(strip, planes, a, r, k, n, col, out, first); break;
+      case 4: int4_strip_q8<4>(strip, planes, a, r, k, n, col, out, first); break;
+      case 3: int4_strip_q8<3>(strip, planes, a, r, k, n, col, out, first); break;
+      case 2: int4_strip_q8<2>(strip, planes, a, r, k, n, col, out, first); break;
+      case 1: int4_strip_q8<1>(strip, planes, a, r, k, n, col, out, first); break;
+      default: TORCH_CHECK(false, "a pass of ", take, " rows");
+    }
+    r += take;
   }
 }
 #endif
