@@ -71,10 +71,11 @@ inline __m512 load16(const at::Half* p) {
 #endif
 
 #if KVSCOPE_HAVE_AVX2
-// A running integer sum kept as one: GCC 12 (at least under -march=znver1) rewrote a chain of
-// sum += product into all of a group's products first, spilled to the stack, then the adds
-// (177 stack accesses in the 4-row 8-bit kernel); an empty asm it cannot see through pins each
-// partial sum in a register where the code computes it.
+// A running integer sum kept as one: GCC 12 (under -march=znver1 and -march=haswell alike)
+// rewrote a chain of sum += product into all of a group's products first, each stored to the
+// stack, then the adds (177-192 stack accesses in the 4-row 8-bit kernel, 148 in the 8-bit
+// head's); an empty asm it cannot see through pins each partial sum in a register where the
+// code computes it (five- to nine-row steps 1.2x faster, built for Zen 1).
 inline __m256i pin(__m256i v) {
 #if defined(__GNUC__)
   asm("" : "+x"(v));
