@@ -59,6 +59,23 @@ inline void fill_registers(T (&a)[R][B], T v) {
     for (int b = 0; b < B; ++b) a[r][b] = v;
 }
 
+// Rows of a call in passes of at most Max, as even as they come (9 rows at most 6 a pass: 5 + 4,
+// not 6 + 3 or 4 + 4 + 1): pass(std::integral_constant<int, R>, first row) for each, R from 1
+// to Max, so a kernel templated on its row count runs every pass with its registers unrolled.
+template <int Max, typename Pass, int... Rs>
+void even_passes(int64_t rows, Pass&& pass, std::integer_sequence<int, Rs...>) {
+  const int64_t passes = (rows + Max - 1) / Max;
+  for (int64_t p = 0, r = 0; p < passes; ++p) {
+    const int64_t take = (rows - r + passes - p - 1) / (passes - p);
+    ((take == Rs + 1 ? (pass(std::integral_constant<int, Rs + 1>{}, r), 0) : 0), ...);
+    r += take;
+  }
+}
+template <int Max, typename Pass>
+void even_passes(int64_t rows, Pass&& pass) {
+  even_passes<Max>(rows, pass, std::make_integer_sequence<int, Max>{});
+}
+
 using bf16 = c10::BFloat16;
 constexpr int64_t kGroupSize = 32;  // 4-bit and 8-bit weights: one scale per 32 inputs
 

@@ -205,26 +205,14 @@ void int4_strip_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, int64
 // broadcast activations); whole steps built for Zen 1, best of 9, 1 thread: 5 rows 14.5 ms as
 // 3 + 2, 12.2-12.5 in one pass; 6 rows 15.8-16.7 as 3 + 3, 14.0 in one; 9 rows 22.6 as 3 + 3 +
 // 3, 20.3-20.5 as 5 + 4.
-constexpr int64_t kAvx2Rows = 6;
+constexpr int kAvx2Rows = 6;
 
 template <typename P>
 void int4_strip_rows_q8(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t rows,
                         int64_t k, int64_t n, int64_t col, float* out) {
-  const int64_t passes = (rows + kAvx2Rows - 1) / kAvx2Rows;
-  for (int64_t p = 0, r = 0; p < passes; ++p) {
-    const int64_t take = (rows - r + passes - p - 1) / (passes - p);
-    const bool first = p == 0;
-    switch (take) {
-      case 6: int4_strip_q8<6>(strip, planes, a, r, k, n, col, out, first); break;
-      case 5: int4_strip_q8<5>(strip, planes, a, r, k, n, col, out, first); break;
-      case 4: int4_strip_q8<4>(strip, planes, a, r, k, n, col, out, first); break;
-      case 3: int4_strip_q8<3>(strip, planes, a, r, k, n, col, out, first); break;
-      case 2: int4_strip_q8<2>(strip, planes, a, r, k, n, col, out, first); break;
-      case 1: int4_strip_q8<1>(strip, planes, a, r, k, n, col, out, first); break;
-      default: TORCH_CHECK(false, "a pass of ", take, " rows");
-    }
-    r += take;
-  }
+  even_passes<kAvx2Rows>(rows, [&](auto pass_rows, int64_t r) {
+    int4_strip_q8<decltype(pass_rows)::value>(strip, planes, a, r, k, n, col, out, r == 0);
+  });
 }
 #endif
 
@@ -289,20 +277,9 @@ void int4_strip_q8_vnni(const uint8_t* strip, const P* planes, const Q8Rows& a, 
 template <typename P>
 void int4_strip_rows_q8_vnni(const uint8_t* strip, const P* planes, const Q8Rows& a, int64_t rows,
                              int64_t k, int64_t n, int64_t col, float* out) {
-  int64_t r = 0;
-  for (; r + kVnniRows <= rows; r += kVnniRows)
-    int4_strip_q8_vnni<kVnniRows>(strip, planes, a, r, k, n, col, out, r == 0);
-  const bool first = r == 0;
-  switch (rows - r) {
-    case 7: int4_strip_q8_vnni<7>(strip, planes, a, r, k, n, col, out, first); break;
-    case 6: int4_strip_q8_vnni<6>(strip, planes, a, r, k, n, col, out, first); break;
-    case 5: int4_strip_q8_vnni<5>(strip, planes, a, r, k, n, col, out, first); break;
-    case 4: int4_strip_q8_vnni<4>(strip, planes, a, r, k, n, col, out, first); break;
-    case 3: int4_strip_q8_vnni<3>(strip, planes, a, r, k, n, col, out, first); break;
-    case 2: int4_strip_q8_vnni<2>(strip, planes, a, r, k, n, col, out, first); break;
-    case 1: int4_strip_q8_vnni<1>(strip, planes, a, r, k, n, col, out, first); break;
-    default: break;
-  }
+  even_passes<kVnniRows>(rows, [&](auto pass_rows, int64_t r) {
+    int4_strip_q8_vnni<decltype(pass_rows)::value>(strip, planes, a, r, k, n, col, out, r == 0);
+  });
 }
 #endif
 
