@@ -68,7 +68,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 # AVX2 passes of up to six rows, as even as they come (9 = 5 + 4, 13 = 5 + 4 + 4, 16 = 6 + 5 + 5),
-# AVX512-VNNI eight a pass (15 = 8 + 7)
+# AVX512-VNNI up to eight (9 = 5 + 4, 15 = 8 + 7)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16])
 @pytest.mark.parametrize("half_planes", [False, True])
 def test_q8_products_are_the_recounted_8bit_activation_products(extension, rows, half_planes):
