@@ -116,9 +116,12 @@ def test_the_window_follows_both_engines_through_chats(deployment, qapp, tmp_pat
         def settled() -> bool:
             p, dc = view.histories["prefill"].latest, view.histories["decode"].latest
             # each engine's counters as of the end of the chats (an idle engine publishes once
-            # a second): every chat prefilled, every hand-over pulled, every block sent arrived
+            # a second): every chat prefilled, every hand-over pulled, every block sent arrived,
+            # every lease ended (the prefill engine ends one when its pull arrives, so the decode
+            # engine's count of pulls can be published before the prefill engine's lease count)
             return (p is not None and dc is not None
                     and p.counters.get("generation_tokens_total") == len(PROMPTS)
+                    and p.counters.get("kv_transfer_leases_active") == 0
                     and dc.counters.get("kv_transfer_pulls", 0)
                     + dc.counters.get("kv_transfer_releases", 0) == len(handed)
                     and p.counters.get("kv_transfer_blocks_sent")
