@@ -317,21 +317,30 @@ class FusedDecodeStep:
         lens = meta.query_lens_cpu
         return meta.max_query_len == 1 and len(lens) == sum(lens)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def is_precise(self, rows: int) -> bool:
+        """Whether a step of this many decode rows runs the precise products and head."""
+        return rows <= self.precise_rows
+
+    def compute_logits(self, hidden: torch.Tensor, precise: bool | None = None) -> torch.Tensor:
         """Logits of a fused step's rows: as precise as its products (the model's exact head
-        up to ``precise_rows`` rows), ``wide_head``'s above where it is set (fused_head.py)."""
-        if self.wide_head is not None and hidden.shape[0] > self.precise_rows:
+        up to ``precise_rows`` rows, or where ``precise`` says), ``wide_head``'s otherwise
+        where it is set (fused_head.py)."""
+        if precise is None:
+            precise = self.is_precise(hidden.shape[0])
+        if self.wide_head is not None and not precise:
             return self.wide_head(hidden)
         return self.model.compute_logits(hidden)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, precise: bool | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Final-norm hidden states [rows, hidden] of a step that ``can_run``. Rows are
+        """Final-norm hidden states [rows, hidden] of a step that ``can_run``, its products
+        precise as ``is_precise`` says for its rows unless ``precise`` is given. Rows are
         independent (each reads and writes only its own sequence's blocks), so a wide step runs
         as calls of at most ``ROWS_PER_CALL`` rows."""
-        precise = len(input_ids) <= self.precise_rows
+        if precise is None:
+            precise = self.is_precise(len(input_ids))
         groups = [meta, *meta.groups]
         return self.forward_rows(
             input_ids, positions, kv_cache, [g.slot_mapping for g in groups],

@@ -3,6 +3,7 @@ positions, slot mapping, block tables and query offsets, and runs the forward pa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -58,11 +59,14 @@ class ModelRunner:
         self.num_split_steps = 0  # mixed steps run as a fused pass and an eager one
         self.num_fused_prompt_steps = 0  # prompt chunks run as fused rows
         # Mixed steps (prompt chunks and decodes together) with at least this many one-token
-        # rows run those through the fused step and the chunks eagerly; None: more than the
-        # fused step's precise_rows (its fast products). Measured on 2 Zen 5 cores, a 20-token
-        # chunk beside n decodes, one pass / split: 2 threads, n = 8: 54 / 60 ms, 9: 57 / 53,
-        # 16: 68 / 54, 32: 96 / 63; 1 thread (the window's engine), n = 8: 72 / 69, 16: 98 / 63.
-        self.min_split_rows: int | None = None
+        # rows run those through the fused step and the chunks eagerly, else as one eager pass.
+        # 1: always split, so a decode row's arithmetic never depends on a prompt beside it (a
+        # verified row's on whether its step holds one: speculation stays exact). Measured on 2
+        # Zen 4 cores, exact activations, a 1,500-token prompt's three chunks beside n decodes,
+        # one pass / split: 2 threads n = 1 3.21 / 2.96 s, 2: 3.20 / 2.97, 4: 3.27 / 3.15, 8:
+        # 2.87 / 2.90; 1 thread n = 1 5.91 / 5.44, 4: 5.78 / 5.84 (on Zen 5, with the kernels
+        # of then, one pass had been 10 % faster at 8 decodes on 2 threads).
+        self.min_split_rows = 1
 
     def enable_decode_graphs(
         self,
@@ -173,8 +177,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits (float32) and the sequences they belong to: a row per sequence, 1 + k rows
         for one with k drafts (seq.spec_token_ids). Speculative rows are multi-token rows: the
-        eager pass, or the fused step's one-token-per-row prompt path (its precise products,
-        slower per token than its decode rows), never the decode graphs."""
+        eager pass, or the fused step's one-token-per-row prompt path, never the decode
+        graphs."""
         self.copy_blocks(batch.block_copies)
         fused = self.fused.ready()
         if fused is None or self.decode_graphs is not None:
@@ -182,68 +186,73 @@ class ModelRunner:
         if max(batch.num_new_tokens) == 1:  # every row one token: no split to look for
             return self._run(self.prepare(batch), fused)
         one_token, rest = split_single_token_rows(batch)
-        parts: list[tuple[torch.Tensor, list[Sequence]]] = []
-        if fused.int8_activations:
-            # Speculative rows as fused rows whatever else the step holds: a verified row then
-            # computes what its decode step would (8-bit arithmetic), so speculation stays exact.
-            spec, rest = split_rows(rest, lambda seq: bool(seq.spec_token_ids))
-            if spec.seqs:
-                parts.append(self._run_prompt_rows(self.prepare(spec), fused))
-            if not rest.seqs:
-                if one_token.seqs:
-                    parts.append(self._run(self.prepare(one_token), fused))
-                return merge_in_batch_order(batch, parts)
-        if sum(rest.num_new_tokens) <= fused.max_prompt_tokens:
-            # Short prompt chunks as one-token rows of the fused step, its precise products
-            # (the decodes, if any, in a call of their own). Rows are independent (each writes
-            # only its own sequence's new slots), so the passes compute what one would.
-            if one_token.seqs:
-                parts.append(self._run(self.prepare(one_token), fused))
-            parts.append(self._run_prompt_rows(self.prepare(rest), fused))
-            return merge_in_batch_order(batch, parts)
-        least = fused.precise_rows + 1 if self.min_split_rows is None else self.min_split_rows
-        if len(one_token.seqs) < least and not parts:
+        spec, rest = split_rows(rest, lambda seq: bool(seq.spec_token_ids))
+        # The sequences that decode in this step: as many one-token rows as it would have
+        # without drafts. Their rows' arithmetic follows from that count alone, so a verified
+        # row computes what its decode step would (speculation stays exact at any batch width:
+        # a wide step's fast products, a narrow one's precise ones).
+        decoding = len(one_token.seqs) + len(spec.seqs)
+        short = sum(rest.num_new_tokens) <= fused.max_prompt_tokens
+        if not short and decoding < self.min_split_rows:
+            # A long prompt chunk beside few decodes: one eager pass (drafted rows too, as
+            # their decode rows would run).
             return self._run(self.prepare(batch), fused)
-        # A mixed step: its one-token rows (the decodes) through the fused step, the prompt
-        # chunks eagerly.
+        precise = fused.is_precise(decoding)
+        parts: list[tuple[torch.Tensor, list[Sequence]]] = []
+        if spec.seqs:  # verified rows as fused rows, one per token
+            parts.append(self._run_prompt_rows(self.prepare(spec), fused, precise))
         if one_token.seqs:
-            parts.append(self._run(self.prepare(one_token), fused))
-        parts.append(self._run(self.prepare(rest), None))
-        self.num_split_steps += 1
+            parts.append(self._run(self.prepare(one_token), fused, precise))
+        if short:
+            # Short prompt chunks as one-token rows of the fused step, its precise products.
+            # Rows are independent (each writes only its own sequence's new slots), so the
+            # passes compute what one would.
+            if rest.seqs:
+                parts.append(self._run_prompt_rows(self.prepare(rest), fused))
+        else:
+            # A mixed step: the decodes through the fused step, the prompt chunks eagerly.
+            parts.append(self._run(self.prepare(rest), None))
+            self.num_split_steps += 1
         return merge_in_batch_order(batch, parts)
 
     def _run_prompt_rows(
-        self, step: StepInput, fused: FusedDecodeStep
+        self, step: StepInput, fused: FusedDecodeStep, precise: bool | None = None
     ) -> tuple[torch.Tensor, list[Sequence]]:
         """Prompt chunks through the fused step, a row per token: each row writes its token's
         K/V and attends to its sequence up to itself (every row's write comes before any row's
-        attention in a layer), so the rows compute the causal prefill. Under 8-bit activations
-        every fused row takes them, so a speculative row's logits are its decode step's."""
+        attention in a layer), so the rows compute the causal prefill. Precise products and
+        head unless under 8-bit activations or ``precise`` says otherwise (verified rows take
+        their decode step's)."""
         meta = step.meta
         groups = [meta, *meta.groups]  # the hybrid cache's groups: each its own tables
         query_lens = torch.tensor(meta.query_lens_cpu)
         tables = [g.block_tables.repeat_interleave(query_lens, dim=0) for g in groups]
         seq_lens = (step.positions + 1).to(torch.int32)
+        if precise is None:
+            precise = not fused.int8_activations
         hidden = fused.forward_rows(
             step.input_ids, step.positions, self.kv_cache, [g.slot_mapping for g in groups],
-            tables, seq_lens, precise=not fused.int8_activations,
+            tables, seq_lens, precise=precise,
         )  # fmt: skip
         self.num_fused_prompt_steps += 1
         if not step.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
-        logits = fused.compute_logits if fused.int8_activations else self.model.compute_logits
-        return logits(hidden[step.logits_indices]), step.sampling_seqs
+        return fused.compute_logits(hidden[step.logits_indices], precise), step.sampling_seqs
 
     def _run(
-        self, step: StepInput, fused: FusedDecodeStep | None
+        self, step: StepInput, fused: FusedDecodeStep | None, precise: bool | None = None
     ) -> tuple[torch.Tensor, list[Sequence]]:
-        compute_logits = self.model.compute_logits
+        """One pass: the decode graphs, the fused step (its arithmetic by its row count unless
+        ``precise`` is given) or the eager forward."""
+        logits = self.model.compute_logits
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             hidden = self.decode_graphs.run(step)
             self.num_graph_steps += 1
         elif fused is not None and fused.can_run(step.meta):
-            hidden = fused.forward(step.input_ids, step.positions, self.kv_cache, step.meta)
-            compute_logits = fused.compute_logits  # as precise as the step's products
+            hidden = fused.forward(step.input_ids, step.positions, self.kv_cache, step.meta,
+                                   precise)  # fmt: skip
+            # as precise as the step's products
+            logits = functools.partial(fused.compute_logits, precise=precise)
             self.num_fused_steps += 1
         else:
             hidden = self.model.forward(
@@ -251,7 +260,7 @@ class ModelRunner:
             )
         if not step.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
-        return compute_logits(hidden[step.logits_indices]), step.sampling_seqs
+        return logits(hidden[step.logits_indices]), step.sampling_seqs
 
 
 def split_single_token_rows(batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
