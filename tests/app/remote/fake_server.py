@@ -195,13 +195,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         with f.lock:
             f.streams_open += 1
             f.max_streams_open = max(f.max_streams_open, f.streams_open)
+        closed_by_client = False
         try:
             self._stream(script, words)
         except OSError:  # the client closed the stream
-            with f.lock:
-                f.streams_closed_by_client += 1
+            closed_by_client = True
         finally:
-            with f.lock:
+            with f.lock:  # both at once: a reader never sees one counted without the other
+                f.streams_closed_by_client += closed_by_client
                 f.streams_open -= 1
         self.close_connection = True
 

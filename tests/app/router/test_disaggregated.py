@@ -57,7 +57,9 @@ async def _collect(stream) -> tuple[list[int], P.Finish]:
     return tokens, finish
 
 
-async def _counters(client: AsyncEngineClient, predicate, timeout: float = 10.0) -> dict:
+async def _counters(client: AsyncEngineClient, predicate, timeout: float = 60.0) -> dict:
+    """The first telemetry matching predicate (the timeout only guards against a hang: another
+    engine process publishes on its own schedule, slower on a loaded machine)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         tel = client.telemetry

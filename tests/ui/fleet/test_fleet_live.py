@@ -131,7 +131,16 @@ def test_three_kvscope_servers(tiny_dir, qapp):
         bproc, bsrc = procs[b]
         tokens = httpx.post(bproc.url + "/tokenize", json={"prompt": PROMPTS[b] + MORE},
                             timeout=30).json()["tokens"]  # fmt: skip
-        tree = events_tree(bsrc)
+        # B's blocks as its replay endpoint holds them, once the panel's feed holds as many
+        # (events come in batches: a read between two would miss the later ones)
+        held: dict[str, S.Tree] = {}
+
+        def b_events_settled() -> bool:
+            held["tree"] = events_tree(bsrc)
+            return panel.feed.tree.sources().get(bsrc.name, 0) == len(held["tree"].nodes)
+
+        assert wait_until(b_events_settled, 30, app)
+        tree = held["tree"]
         bs = len(next(iter(tree.nodes.values())).tokens)
         want_b = walked(tree, tokens, bs)
         assert want_b >= bs
@@ -159,6 +168,10 @@ def test_three_kvscope_servers(tiny_dir, qapp):
         r = httpx.post(bproc.url + "/v1/completions", timeout=120,
                        json={"prompt": PROMPTS[b] + MORE, "max_tokens": 2})  # fmt: skip
         assert r.status_code == 200, r.text
+        # its counters in /metrics (the server's latest engine snapshot) once they count it
+        assert wait_until(lambda: (m := scrape(bproc.url))["prefix_cache_queries_total"]
+                          > just_before_b["prefix_cache_queries_total"]
+                          and m["num_requests_running"] == 0, 20, app)  # fmt: skip
         for i, (proc, _) in enumerate(procs):
             allowed = {hit_rate(before[i], proc.url)}
             allowed |= {hit_rate(just_before_b, proc.url)} if i == b else {DASH}

@@ -33,8 +33,8 @@ def nodes(tree: FleetTree) -> dict:
     return {h: (n.parent_hash, n.token_ids, n.media, n.sources) for h, n in tree.nodes.items()}
 
 
-def follow(link: KvEventsLink, tree: FleetTree, want, timeout: float = 20.0) -> bool:
-    """Apply what the link delivers until the tree equals `want()` (re-read each time)."""
+def drain_until(link: KvEventsLink, tree: FleetTree, done, timeout: float = 20.0) -> bool:
+    """Apply what the link delivers until `done()` (the timeout only guards against a hang)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         for name, item in link.take(256):
@@ -42,10 +42,15 @@ def follow(link: KvEventsLink, tree: FleetTree, want, timeout: float = 20.0) -> 
                 tree.clear(name)
             else:
                 tree.apply(name, item)
-        if not link.pending and nodes(tree) == want():
+        if done():
             return True
         time.sleep(0.01)
     return False
+
+
+def follow(link: KvEventsLink, tree: FleetTree, want, timeout: float = 20.0) -> bool:
+    """Apply what the link delivers until the tree equals `want()` (re-read each time)."""
+    return drain_until(link, tree, lambda: not link.pending and nodes(tree) == want(), timeout)
 
 
 def run(pub: FakePublisher, cache: FakeCache, steps: int, **drops) -> None:
@@ -128,7 +133,8 @@ def test_a_short_replay_buffer_gives_a_partial_tree_and_says_so(links):
         end = time.monotonic() + 20
         while link.stats()[pub.endpoint].first_seq is None and time.monotonic() < end:
             time.sleep(0.01)
-        follow(link, tree, lambda: None, timeout=0.5)
+        assert drain_until(link, tree, lambda: link.stats()[pub.endpoint].batches >= 10
+                           and not link.pending)  # fmt: skip
         st = link.stats()[pub.endpoint]
         assert st.first_seq == 20 and st.batches == 10 and tree.nodes
 
@@ -145,8 +151,7 @@ def test_without_a_replay_endpoint_gaps_are_counted(links):
         assert follow(link, tree, lambda: expected_fleet({pub.endpoint: pub.expected()}))
         run(pub, cache, 5, drop={2})
         pub.publish([])
-        time.sleep(0.3)
-        follow(link, tree, lambda: None, timeout=0.3)
+        assert drain_until(link, tree, lambda: link.stats()[pub.endpoint].lost >= 1)
         assert link.stats()[pub.endpoint].lost == 1
 
 
@@ -170,10 +175,14 @@ def test_a_gui_that_falls_behind_keeps_the_queue_bounded(links):
         tree = FleetTree()
         want = lambda: expected_fleet({pub.endpoint: pub.expected()})  # noqa: E731
         run(pub, cache, 400)
-        peak = 0
-        for _ in range(50):
+        peak, end, full_since = 0, time.monotonic() + 20, None
+        while time.monotonic() < end:  # until the queue has been full for a while
             time.sleep(0.01)
             peak = max(peak, link.pending)
+            if peak >= 20:
+                full_since = full_since or time.monotonic()
+                if time.monotonic() - full_since > 0.3:
+                    break
         assert 20 <= peak <= 20 + 256 * 8  # stops reading once full (a read burst may overshoot)
         assert follow(link, tree, want)
 

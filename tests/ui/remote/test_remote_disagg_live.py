@@ -122,6 +122,10 @@ def test_the_window_follows_both_engines_through_chats(deployment, qapp, tmp_pat
             return (p is not None and dc is not None
                     and p.counters.get("generation_tokens_total") == len(PROMPTS)
                     and p.counters.get("kv_transfer_leases_active") == 0
+                    and dc.counters.get("generation_tokens_total")
+                    == sum(s["completion_tokens"] - 1 for s in handed)
+                    and dc.counters.get("num_requests_running") == 0
+                    and dc.counters.get("num_requests_waiting") == 0
                     and dc.counters.get("kv_transfer_pulls", 0)
                     + dc.counters.get("kv_transfer_releases", 0) == len(handed)
                     and p.counters.get("kv_transfer_blocks_sent")
