@@ -152,9 +152,25 @@ class BlockMapWidget(QWidget):
     def set_frame(self, frame: Frame, remembered: dict | None = None) -> None:
         """Store the latest frame; drawing happens in `redraw` (called from the GUI timer)."""
         self.frame = frame
+        self.note_frame(frame)
         if remembered is not None:
             self.remembered = remembered
         self._dirty = True
+
+    def note_frame(self, frame: Frame) -> None:
+        """A branch's prefix-cache hit, block by block, from a frame that shows its request
+        live: the first cached_tokens / block_size blocks of its table hold the history it
+        shares with the branch it forked from (the same prefix hashes, so the same physical
+        blocks). Frames come in batches and only the last is drawn, so every one is noted: a
+        short reply may be live in an earlier frame only, and a finished request's frame no
+        longer says how much it hit."""
+        if not self.forks or not frame.block_size:
+            return
+        for r in frame.requests:
+            if r.request_id in self.forks and r.num_cached_tokens:
+                self._hit_blocks[r.request_id] = r.block_table[
+                    : r.num_cached_tokens // frame.block_size
+                ]
 
     def highlight_request(self, rid: str | None) -> None:
         self.highlight_rid = rid or None
@@ -192,7 +208,7 @@ class BlockMapWidget(QWidget):
         idx[shared] = SHARED
         self.colour_index = idx
         self.highlight_blocks = self._blocks_of(f, self.highlight_rid)
-        self.fork_blocks = self._shared_with_source(f, self.highlight_rid)
+        self.fork_blocks = self._shared_with_source(self.highlight_rid)
         shown = idx.copy()
         if self.highlight_rid is not None:
             mask = np.ones(f.num_blocks, bool)
@@ -249,16 +265,10 @@ class BlockMapWidget(QWidget):
                 self._slots[rid] = slot
                 used.append(slot)
 
-    def _shared_with_source(self, f: Frame, rid: str | None) -> set[int]:
-        """A branch's prefix-cache hit, block by block: the first cached_tokens / block_size
-        blocks of its table hold the history it shares with the branch it forked from (the
-        same prefix hashes, so the same physical blocks). Noted while the request is seen
-        live, since a finished request's frame no longer says how much it hit."""
+    def _shared_with_source(self, rid: str | None) -> set[int]:
+        """The highlighted branch's hit blocks (note_frame) that it still holds."""
         if rid is None or rid not in self.forks:
             return set()
-        live = next((r for r in f.requests if r.request_id == rid), None)
-        if live is not None and live.num_cached_tokens and f.block_size:
-            self._hit_blocks[rid] = live.block_table[: live.num_cached_tokens // f.block_size]
         return set(self._hit_blocks.get(rid, ())) & self.highlight_blocks
 
     def _blocks_of(self, f: Frame, rid: str | None) -> set[int]:

@@ -59,6 +59,7 @@ class TelemetryFeed(QObject):
         w = self.w
         for f in frames:
             w.history.add(f)
+            w.block_map.note_frame(f)
         self.frames_seen += len(frames)
         last = frames[-1]
         w.block_map.set_frame(last, w.history.last_tables)

@@ -218,3 +218,33 @@ def test_live_titles_never_re_layout_the_charts(qtbot, frames):
     # the text stays inside its plot: clipped, not drawn over the neighbour's title
     label = c.p_latency.titleLabel
     assert label.flags() & label.GraphicsItemFlag.ItemClipsChildrenToShape
+
+
+def test_a_branch_hit_is_noted_from_any_frame_of_a_batch(qtbot, frames):
+    """Frames reach the window in batches and only the last is drawn: a branch's hit blocks
+    come from whichever frame shows its request live, though the drawn one shows it finished
+    (a short reply on a loaded machine); the drawn frame alone has nothing to mark them by."""
+    first, rid = next((i, r.request_id) for i, f in enumerate(frames) for r in f.requests
+                      if r.num_cached_tokens and r.status != "finished")  # fmt: skip
+    gone = next(j for j in range(first + 1, len(frames))
+                if all(r.request_id != rid for r in frames[j].requests))  # fmt: skip
+    live = next(r for r in frames[first].requests if r.request_id == rid)
+    hit = set(live.block_table[: live.num_cached_tokens // frames[first].block_size])
+    history = History()
+    for f in frames[: gone + 1]:
+        history.add(f)
+    marked = {}
+    for noted in (True, False):
+        w = BlockMapWidget()
+        qtbot.addWidget(w)
+        w.show_fork(rid, "the branch it forked from")
+        if noted:  # the batch frames[first..gone], as the window's feed takes it
+            for f in frames[first:gone]:
+                w.note_frame(f)
+        w.set_frame(frames[gone], history.last_tables)
+        w.redraw(force=True)
+        assert w.highlight_blocks, "its blocks still hold its prefix"
+        marked[noted] = (w.fork_blocks, w.highlight_blocks)
+    fork, held = marked[True]
+    assert fork and fork == hit & held  # the hit blocks it still holds
+    assert not marked[False][0]
