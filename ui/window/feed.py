@@ -59,9 +59,10 @@ class TelemetryFeed(QObject):
         w = self.w
         for f in frames:
             w.history.add(f)
-            w.block_map.note_frame(f)
         self.frames_seen += len(frames)
         last = frames[-1]
+        for f in frames[:-1]:  # a branch's hit may show in these alone (set_frame notes the last)
+            w.block_map.note_frame(f)
         w.block_map.set_frame(last, w.history.last_tables)
         for f in frames:  # hits and last access count every frame
             w.prefix_tree.set_frame(f)
